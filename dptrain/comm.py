@@ -1,0 +1,422 @@
+"""The collectives: PyTorch's seven, plus object and uneven gathers, that also run alone.
+
+Every function takes PyTorch's arguments in PyTorch's order and moves bytes with
+``torch.distributed``. Differences that matter:
+
+- With no process group (a single process, world size 1) each call does what it would do
+  in a world of one -- ``all_reduce`` leaves the tensor as it is, ``all_gather`` copies it
+  into ``tensor_list[0]`` -- so single-process code runs unchanged.
+- ``op`` is a string (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``) or a
+  ``torch.distributed.ReduceOp``. ``"avg"`` is computed as a sum and a division because
+  gloo has no reliable AVG.
+- A collective that fails (a peer died, the timeout passed) raises :class:`CollectiveError`
+  naming this rank, the collective and, where the store can tell, the ranks that never
+  arrived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dptrain import env
+
+__all__ = [
+    "CollectiveError",
+    "broadcast",
+    "reduce",
+    "all_reduce",
+    "scatter",
+    "gather",
+    "all_gather",
+    "barrier",
+    "all_gather_object",
+    "broadcast_object",
+    "all_gather_uneven",
+    "is_distributed",
+]
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # divided afterwards; see the module docstring
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the rank and the operation."""
+
+
+def is_distributed(group: Any = None) -> bool:
+    """True when a process group with more than one rank is active."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _op(op: Any) -> tuple[dist.ReduceOp, bool]:
+    """The torch op to run and whether to divide by the world size afterwards."""
+    if isinstance(op, str):
+        key = op.lower()
+        if key not in _OPS:
+            raise ValueError(f"unknown reduce op {op!r}; use one of 'sum', 'avg', 'max', 'min', 'product'")
+        return _OPS[key], key in ("avg", "mean")
+    if op == dist.ReduceOp.AVG:
+        return dist.ReduceOp.SUM, True
+    return op, False
+
+
+def _check_tensor(name: str, tensor: Any) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} expects a torch.Tensor, got {type(tensor).__name__}")
+
+
+def _call(name: str, fn: Callable[[], Any], tensors: Sequence[torch.Tensor] = (), group: Any = None) -> Any:
+    """Run one collective with dptrain's checks around it.
+
+    The debug cross-check (``DPTRAIN_DEBUG=1``) compares the operation and the tensor
+    shapes of every rank before the bytes move; a failure is re-raised naming this rank
+    and the operation, so a log line says more than "Connection closed by peer".
+    """
+    from dptrain import _diagnostics  # late: it imports comm
+
+    _diagnostics.before_collective(name, tensors, group)
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised with context below
+        raise _diagnostics.explain_failure(name, exc, group) from exc
+    _diagnostics.after_collective(name, group)
+    return out
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False):
+    """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank (in place).
+
+    Args:
+        tensor: the data on ``src``; the destination, of the same shape and dtype, elsewhere.
+        src: global rank that sends. Default 0.
+        group: process group; default the whole world.
+        async_op: return a work handle instead of waiting. Default False.
+
+    Returns:
+        A work handle when ``async_op``, else None.
+
+    Raises:
+        CollectiveError: a peer failed or the timeout passed.
+
+    Example:
+        >>> t = torch.arange(3.) if dptrain.rank() == 0 else torch.zeros(3)
+        >>> comm.broadcast(t, src=0)   # every rank now holds [0., 1., 2.]
+    """
+    _check_tensor("broadcast", tensor)
+    if not is_distributed(group):
+        return None
+    return _call("broadcast", lambda: dist.broadcast(tensor, src, group=group, async_op=async_op), [tensor], group)
+
+
+class _DivideOnWait:
+    """Work handle for an asynchronous 'avg': the division happens when the sum is in."""
+
+    def __init__(self, work, tensor: torch.Tensor, divisor: int) -> None:
+        self._work, self._tensor, self._divisor = work, tensor, divisor
+
+    def wait(self, timeout=None) -> bool:
+        ok = self._work.wait() if timeout is None else self._work.wait(timeout)
+        self._tensor.div_(self._divisor)
+        return ok
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = "sum", group: Any = None, async_op: bool = False):
+    """Reduce ``tensor`` across ranks and leave the result in ``tensor`` on every rank.
+
+    Args:
+        tensor: input and output, in place.
+        op: ``"sum"`` (default), ``"avg"``, ``"max"``, ``"min"``, ``"product"`` or a ``ReduceOp``.
+        group: process group; default the whole world.
+        async_op: return a work handle instead of waiting (for ``"avg"``, the division
+            happens in ``wait()``). Default False.
+
+    Raises:
+        ValueError: unknown ``op``.
+        CollectiveError: a peer failed or the timeout passed.
+
+    Example:
+        >>> t = torch.tensor([float(dptrain.rank())])
+        >>> comm.all_reduce(t, op="avg")   # 0.5 on 2 ranks
+    """
+    _check_tensor("all_reduce", tensor)
+    torch_op, divide = _op(op)
+    if not is_distributed(group):
+        return None
+    work = _call("all_reduce", lambda: dist.all_reduce(tensor, torch_op, group=group, async_op=async_op), [tensor], group)
+    n = dist.get_world_size(group)
+    if async_op:
+        return _DivideOnWait(work, tensor, n) if divide else work
+    if divide:
+        tensor.div_(n)
+    return None
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: Any = "sum", group: Any = None, async_op: bool = False):
+    """Reduce ``tensor`` across ranks into ``tensor`` on rank ``dst``.
+
+    On ranks other than ``dst`` the content of ``tensor`` afterwards is unspecified, as in
+    PyTorch.
+
+    Args:
+        tensor: input, and the output on ``dst``.
+        dst: global rank that receives. Default 0.
+        op: as for :func:`all_reduce`. Default ``"sum"``.
+        group: process group; default the whole world.
+        async_op: return a work handle. Default False.
+
+    Raises:
+        ValueError: unknown ``op``. CollectiveError: a peer failed or timed out.
+
+    Example:
+        >>> comm.reduce(t, dst=0, op="max")
+    """
+    _check_tensor("reduce", tensor)
+    torch_op, divide = _op(op)
+    if not is_distributed(group):
+        return None
+    work = _call("reduce", lambda: dist.reduce(tensor, dst, torch_op, group=group, async_op=async_op), [tensor], group)
+    n = dist.get_world_size(group)
+    is_dst = dist.get_rank() == dst
+    if async_op:
+        return _DivideOnWait(work, tensor, n) if divide and is_dst else work
+    if divide and is_dst:
+        tensor.div_(n)
+    return None
+
+
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+):
+    """Send ``scatter_list[i]`` from rank ``src`` into ``tensor`` on rank ``i``.
+
+    Args:
+        tensor: output on every rank.
+        scatter_list: on ``src``, one tensor per rank shaped like ``tensor``; ignored elsewhere.
+        src: global rank that sends. Default 0.
+        group, async_op: as for :func:`broadcast`.
+
+    Raises:
+        ValueError: ``scatter_list`` missing or of the wrong length on ``src``.
+        CollectiveError: a peer failed or timed out.
+
+    Example:
+        >>> out = torch.empty(2)
+        >>> parts = [torch.full((2,), float(i)) for i in range(dptrain.world_size())]
+        >>> comm.scatter(out, parts if dptrain.rank() == 0 else None, src=0)
+    """
+    _check_tensor("scatter", tensor)
+    n = dist.get_world_size(group) if is_distributed(group) else 1
+    me = dist.get_rank() if is_distributed(group) else 0
+    if me == src:
+        if scatter_list is None or len(scatter_list) != n:
+            got = "None" if scatter_list is None else f"{len(scatter_list)} tensors"
+            raise ValueError(f"scatter on the source rank {src} needs scatter_list of {n} tensors, got {got}")
+    if not is_distributed(group):
+        tensor.copy_(scatter_list[0])
+        return None
+    return _call(
+        "scatter",
+        lambda: dist.scatter(tensor, scatter_list if me == src else None, src, group=group, async_op=async_op),
+        [tensor],
+        group,
+    )
+
+
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+):
+    """Collect ``tensor`` from every rank into ``gather_list`` on rank ``dst``.
+
+    Args:
+        tensor: this rank's input (same shape on every rank; see :func:`all_gather_uneven`).
+        gather_list: on ``dst``, one tensor per rank to receive into; ignored elsewhere.
+        dst: global rank that receives. Default 0.
+        group, async_op: as for :func:`broadcast`.
+
+    Raises:
+        ValueError: ``gather_list`` missing or of the wrong length on ``dst``.
+        CollectiveError: a peer failed or timed out.
+
+    Example:
+        >>> out = [torch.empty(3) for _ in range(dptrain.world_size())] if dptrain.rank() == 0 else None
+        >>> comm.gather(torch.ones(3), out, dst=0)
+    """
+    _check_tensor("gather", tensor)
+    n = dist.get_world_size(group) if is_distributed(group) else 1
+    me = dist.get_rank() if is_distributed(group) else 0
+    if me == dst:
+        if gather_list is None or len(gather_list) != n:
+            got = "None" if gather_list is None else f"{len(gather_list)} tensors"
+            raise ValueError(f"gather on the destination rank {dst} needs gather_list of {n} tensors, got {got}")
+    if not is_distributed(group):
+        gather_list[0].copy_(tensor)
+        return None
+    return _call(
+        "gather",
+        lambda: dist.gather(tensor, gather_list if me == dst else None, dst, group=group, async_op=async_op),
+        [tensor],
+        group,
+    )
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False):
+    """Collect ``tensor`` from every rank into ``tensor_list`` on every rank.
+
+    Args:
+        tensor_list: one output tensor per rank, shaped like ``tensor``.
+        tensor: this rank's input.
+        group, async_op: as for :func:`broadcast`.
+
+    Raises:
+        ValueError: ``tensor_list`` has the wrong length.
+        CollectiveError: a peer failed or timed out.
+
+    Example:
+        >>> out = [torch.empty(2) for _ in range(dptrain.world_size())]
+        >>> comm.all_gather(out, torch.full((2,), float(dptrain.rank())))
+    """
+    _check_tensor("all_gather", tensor)
+    n = dist.get_world_size(group) if is_distributed(group) else 1
+    if len(tensor_list) != n:
+        raise ValueError(f"all_gather needs tensor_list of {n} tensors (one per rank), got {len(tensor_list)}")
+    if not is_distributed(group):
+        tensor_list[0].copy_(tensor)
+        return None
+    return _call("all_gather", lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), [tensor], group)
+
+
+def barrier(group: Any = None) -> None:
+    """Block until every rank of ``group`` has entered ``barrier``.
+
+    Raises:
+        CollectiveError: a peer failed or the timeout passed.
+
+    Example:
+        >>> comm.barrier()
+    """
+    if not is_distributed(group):
+        return None
+    _call("barrier", lambda: dist.barrier(group=group), (), group)
+    return None
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Collect one picklable object from every rank; every rank gets the list in rank order.
+
+    Unlike ``torch.distributed.all_gather_object`` this returns the list instead of filling
+    one you allocate. Objects are pickled: only use it with peers you trust.
+
+    Raises:
+        CollectiveError: a peer failed or timed out.
+
+    Example:
+        >>> comm.all_gather_object({"rank": dptrain.rank()})
+        [{'rank': 0}, {'rank': 1}]
+    """
+    if not is_distributed(group):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    _call("all_gather_object", lambda: dist.all_gather_object(out, obj, group=group), (), group)
+    return out
+
+
+def broadcast_object(obj: Any = None, src: int = 0, group: Any = None) -> Any:
+    """Send one picklable object from rank ``src``; every rank returns it.
+
+    Args:
+        obj: the object on ``src``; ignored elsewhere. Default None.
+        src: global rank that sends. Default 0.
+
+    Raises:
+        CollectiveError: a peer failed or timed out.
+
+    Example:
+        >>> cfg = comm.broadcast_object(load_config() if dptrain.rank() == 0 else None)
+    """
+    if not is_distributed(group):
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    _call("broadcast_object", lambda: dist.broadcast_object_list(box, src=src, group=group), (), group)
+    return box[0]
+
+
+# all_gather_uneven exchanges shapes as fixed-size vectors: [ndim, d0, ..., d7].
+_MAX_DIMS = 8
+
+
+def all_gather_uneven(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """Gather tensors whose first dimension differs across ranks; every rank gets all of them.
+
+    The other dimensions and the dtype must agree. The typical use is distributed
+    evaluation, where the last batch of each rank has a different size.
+
+    Args:
+        tensor: this rank's tensor, at least one dimension.
+        group: process group; default the whole world.
+
+    Returns:
+        One tensor per rank, in rank order, each with that rank's first dimension.
+
+    Raises:
+        ValueError: the trailing shapes differ between ranks (raised on every rank, with
+            every rank's shape), or the tensor is 0-d or has more than 8 dimensions.
+        CollectiveError: a peer failed or timed out.
+
+    Example:
+        >>> preds = model(x).argmax(1)            # 5 rows on rank 0, 4 on rank 1
+        >>> torch.cat(comm.all_gather_uneven(preds))   # 9 rows on every rank
+    """
+    _check_tensor("all_gather_uneven", tensor)
+    if tensor.dim() == 0 or tensor.dim() > _MAX_DIMS:
+        raise ValueError(f"all_gather_uneven needs a tensor of 1 to {_MAX_DIMS} dimensions, got shape {tuple(tensor.shape)}")
+    if not is_distributed(group):
+        return [tensor.clone()]
+    n = dist.get_world_size(group)
+    shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=tensor.device)
+    shape[0] = tensor.dim()
+    shape[1 : tensor.dim() + 1] = torch.tensor(tensor.shape, dtype=torch.int64)
+    shapes = [torch.empty_like(shape) for _ in range(n)]
+    _call("all_gather_uneven", lambda: dist.all_gather(shapes, shape, group=group), [shape], group)
+    dims = [tuple(s[1 : int(s[0]) + 1].tolist()) for s in shapes]
+    if any(d[1:] != dims[0][1:] for d in dims):
+        listing = ", ".join(f"rank {r}: {d}" for r, d in enumerate(dims))
+        raise ValueError(
+            f"all_gather_uneven needs the same shape apart from the first dimension on every rank; got {listing}"
+        )
+    longest = max(d[0] for d in dims)
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    bufs = [torch.empty_like(padded) for _ in range(n)]
+    _call("all_gather_uneven", lambda: dist.all_gather(bufs, padded.contiguous(), group=group), [padded], group)
+    return [buf[: d[0]] for buf, d in zip(bufs, dims)]
+
+
+@contextlib.contextmanager
+def _no_checks():
+    """Run collectives without the debug cross-check (used by the cross-check itself)."""
+    from dptrain import _diagnostics
+
+    with _diagnostics.suspended():
+        yield
