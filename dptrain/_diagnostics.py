@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 from typing import Any, Sequence
 
 import torch
@@ -28,6 +29,69 @@ from dptrain import env
 
 _local = threading.local()
 _seq: dict[str, int] = {}
+
+# What this rank is doing, published by the heartbeat thread: collectives entered so far,
+# the one it is in ("" when outside), and progress ticks (training steps).
+_progress = {"seq": 0, "op": "", "ticks": 0}
+
+#: Seconds between heartbeats (``DPTRAIN_HEARTBEAT_S``).
+HEARTBEAT_S = float(os.environ.get("DPTRAIN_HEARTBEAT_S", "2"))
+
+
+def tick() -> None:
+    """Record one unit of progress (a training step); the launcher watches these."""
+    _progress["ticks"] += 1
+
+
+def enter(name: str) -> None:
+    """Mark that this rank entered collective ``name`` (for stall reports)."""
+    _progress["seq"] += 1
+    _progress["op"] = name
+
+
+def leave() -> None:
+    _progress["op"] = ""
+
+
+def _heartbeat_loop(store, rank: int, interval: float, stop: threading.Event) -> None:
+    while not stop.is_set():
+        entry = dict(_progress, t=time.time(), pid=os.getpid())
+        try:
+            store.set(f"hb/{rank}", json.dumps(entry))
+        except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+            return
+        stop.wait(interval)
+
+
+_heartbeat: dict[str, Any] = {}
+
+
+def start_heartbeat(store, rank: int, interval: float = HEARTBEAT_S) -> None:
+    """Publish this rank's progress to the store every ``interval`` seconds (daemon thread)."""
+    stop_heartbeat()
+    stop = threading.Event()
+    thread = threading.Thread(target=_heartbeat_loop, args=(store, rank, interval, stop), daemon=True, name="dptrain-heartbeat")
+    thread.start()
+    _heartbeat.update(stop=stop, thread=thread)
+
+
+def stop_heartbeat() -> None:
+    if _heartbeat:
+        _heartbeat["stop"].set()
+        _heartbeat["thread"].join(2)
+        _heartbeat.clear()
+
+
+def read_heartbeats(store, world_size: int) -> dict[int, dict]:
+    """Every rank's last heartbeat that the store holds (ranks without one are absent)."""
+    out = {}
+    for r in range(world_size):
+        try:
+            if store.check([f"hb/{r}"]):
+                out[r] = json.loads(store.get(f"hb/{r}"))
+        except Exception:  # noqa: BLE001 - best effort: used only to explain a failure
+            break
+    return out
 
 
 def debug_enabled() -> bool:
@@ -67,6 +131,7 @@ class CollectiveMismatchError(RuntimeError):
 
 
 def before_collective(name: str, tensors: Sequence[torch.Tensor], group: Any) -> None:
+    enter(name)
     if not debug_enabled() or getattr(_local, "suspended", False):
         return
     store = env._store()
@@ -101,19 +166,45 @@ def before_collective(name: str, tensors: Sequence[torch.Tensor], group: Any) ->
 
 
 def after_collective(name: str, group: Any) -> None:
-    return None
+    leave()
 
 
-def explain_failure(name: str, exc: BaseException, group: Any) -> BaseException:
-    """Wrap a failed collective's exception with this rank, the operation and the timeout."""
+def _who_is_missing(world_size: int) -> str:
+    """From the heartbeats: which ranks are not in the collective this rank waits in."""
+    store = env._store()
+    if store is None:
+        return ""
+    beats = read_heartbeats(store, world_size)
+    mine = _progress["seq"]
+    now = time.time()
+    lines = []
+    me = dist.get_rank()
+    for r in range(world_size):
+        if r == me:
+            continue
+        b = beats.get(r)
+        if b is None:
+            lines.append(f"rank {r} never sent a heartbeat")
+        elif b["seq"] < mine or not b["op"]:
+            where = f"inside {b['op']} #{b['seq']}" if b["op"] else f"outside any collective after #{b['seq']}"
+            lines.append(f"rank {r} did not arrive (last seen {now - b['t']:.0f}s ago {where}, {b['ticks']} steps)")
+    return "; ".join(lines)
+
+
+def explain_failure(name: str, exc: BaseException, group: Any = None) -> BaseException:
+    """Wrap a failed collective's exception with this rank, the operation and who is missing."""
     from dptrain.comm import CollectiveError
 
+    leave()
     if isinstance(exc, (CollectiveMismatchError, CollectiveError, ValueError, TypeError)):
         return exc
     me = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     timeout = env._timeout().total_seconds()
+    missing = _who_is_missing(world) if group is None else ""
+    detail = f" {missing}." if missing else ""
     return CollectiveError(
-        f"rank {me}: {name} failed ({type(exc).__name__}: {exc}). A peer rank exited, stalled for more than "
-        f"the {timeout:.0f}s timeout, or called a different collective; its own log says which "
-        f"(rerun with DPTRAIN_DEBUG=1 to compare collectives across ranks)"
+        f"rank {me}: {name} #{_progress['seq']} failed ({type(exc).__name__}: {str(exc).strip()[:300]}).{detail} "
+        f"A peer rank exited, stalled for more than the {timeout:.0f}s timeout, or called a different "
+        f"collective (rerun with DPTRAIN_DEBUG=1 to compare collectives across ranks)"
     )

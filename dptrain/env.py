@@ -406,6 +406,9 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         )
         _STATE.store = dist.PrefixStore("dp", store)
         _STATE.owns_group = True
+        from dptrain import _diagnostics
+
+        _diagnostics.start_heartbeat(_STATE.store, world.rank)
     _STATE.world, _STATE.backend, _STATE.timeout = world, chosen, td
     return world
 
@@ -419,6 +422,9 @@ def shutdown() -> None:
     Example:
         >>> dptrain.shutdown()   # doctest: +SKIP
     """
+    from dptrain import _diagnostics
+
+    _diagnostics.stop_heartbeat()
     if _STATE.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _STATE.world = None

@@ -13,6 +13,7 @@ import datetime
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -133,6 +134,7 @@ def rank_environ(
     run_id: str,
     restart_count: int = 0,
     max_restarts: int = 0,
+    error_dir: str | None = None,
 ) -> dict[str, str]:
     """The variables ``torchrun`` sets for a worker, with the same names and meanings."""
     out = {
@@ -151,8 +153,13 @@ def rank_environ(
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
+    if error_dir is not None:
+        # Where torch's @record decorator writes a rank's exception as JSON; we read it back
+        # for the failure report, as torchrun does.
+        out["TORCHELASTIC_ERROR_FILE"] = os.path.join(error_dir, f"attempt_{restart_count}", str(rank), "error.json")
     return out
 
 
@@ -171,16 +178,19 @@ def _spawn_entry(fn, rank, nprocs, port, args, conn, extra_env) -> None:
     os.environ.update(extra_env)
     import dptrain
 
+    # Results travel as plain pickles (bytes): multiprocessing's own pickler would share tensors
+    # through file descriptors that vanish when this process exits.
     try:
         result = fn(rank, *args)
         try:
-            conn.send(("ok", result))
+            payload = pickle.dumps(("ok", result))
         except Exception as exc:  # noqa: BLE001 - an unpicklable return value is the caller's bug
-            conn.send(("error", f"rank {rank} returned a value that cannot be sent back: {exc!r}", ""))
+            payload = pickle.dumps(("error", f"rank {rank} returned a value that cannot be sent back: {exc!r}", ""))
+        conn.send_bytes(payload)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         tb = traceback.format_exc()
         try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}", tb))
+            conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", tb)))
         except Exception:  # noqa: BLE001
             pass
         conn.close()
@@ -289,7 +299,7 @@ def _watch_spawned(procs, conns, timeout) -> list[Any]:
             if obj in pending_conns:
                 rank = pending_conns.pop(obj)
                 try:
-                    msg = obj.recv()
+                    msg = pickle.loads(obj.recv_bytes())
                 except EOFError:
                     continue  # died without a word: the sentinel reports it
                 if msg[0] == "ok":
@@ -470,35 +480,180 @@ class _Interrupted(Exception):
     pass
 
 
+def _read_error_file(path: str) -> str:
+    """The traceback a rank's ``@record`` handler wrote (torchrun's error-file format)."""
+    import json
+
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return ""
+    message = data.get("message", {})
+    if isinstance(message, dict):
+        return str(message.get("extraInfo", {}).get("py_callstack") or message.get("message", ""))
+    return str(message)
+
+
+class _Job:
+    """One launcher's share of a job: its ranks, their restarts, and the shared store.
+
+    [Note: restarts across nodes]
+    Every node's launcher watches the key ``launcher/failed/<attempt>`` in the rendezvous
+    store. The launcher whose rank fails sets it; all launchers then stop their ranks and
+    start attempt+1 together. Ranks of attempt k use keys under ``dptrain/attempt<k>``, so a
+    restarted job never reads a stale key of the attempt before.
+    """
+
+    def __init__(self, config: LaunchConfig) -> None:
+        import tempfile
+
+        self.config = config
+        self.host = config.master_addr or "127.0.0.1"
+        self.server = None
+        if config.node_rank == 0:
+            # Single node: 127.0.0.1 only. Several nodes: the explicit master address only.
+            self.server = _StoreServer(self.host, config.master_port or 0, config.world_size,
+                                       timeout_s=config.timeout or 600.0)
+            self.store = self.server.store
+        else:
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(self.host, config.master_port, None, False,
+                                       timeout=datetime.timedelta(seconds=config.timeout or 600.0))
+        self.port = self.server.port if self.server else config.master_port
+        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+        self.error_dir = tempfile.mkdtemp(prefix="dptrain_run_")
+        self.lock = threading.Lock()
+        self.ranks: list[_RankProcess] = []
+        self.stall_s = float(os.environ.get("DPTRAIN_STALL_REPORT_S", "60"))
+        self.base_env = self._base_env()
+        self.cmd = [sys.executable, "-u"] + (["-m", config.program] if config.module else [config.program])
+        self.cmd += list(config.args)
+
+    def _base_env(self) -> dict[str, str]:
+        config = self.config
+        env = dict(os.environ)
+        omp, notice = _omp_threads(config.nproc_per_node)
+        if notice:
+            _log(notice)
+        if omp:
+            env["OMP_NUM_THREADS"] = omp
+        if config.timeout is not None:
+            env["DPTRAIN_TIMEOUT"] = str(config.timeout)
+        if config.debug:
+            env["DPTRAIN_DEBUG"] = "1"
+        if config.nnodes == 1 and "GLOO_SOCKET_IFNAME" not in env and _loopback_ifname():
+            env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def start(self, attempt: int) -> None:
+        config = self.config
+        self.ranks = []
+        for local in range(config.nproc_per_node):
+            rank = config.node_rank * config.nproc_per_node + local
+            environ = dict(self.base_env)
+            environ.update(
+                rank_environ(
+                    rank=rank, local_rank=local, world_size=config.world_size,
+                    local_world_size=config.nproc_per_node, node_rank=config.node_rank,
+                    num_nodes=config.nnodes, master_addr=self.host, master_port=self.port, run_id=self.run_id,
+                    restart_count=attempt, max_restarts=config.max_restarts, error_dir=self.error_dir,
+                )
+            )
+            os.makedirs(os.path.dirname(environ["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
+            show = config.log_ranks is None or rank in config.log_ranks
+            self.ranks.append(_RankProcess(rank, local, self.cmd, environ, show, self.lock))
+
+    def _peer_failure(self, attempt: int) -> str | None:
+        key = f"launcher/failed/{attempt}"
+        try:
+            if self.store.check([key]):
+                return self.store.get(key).decode()
+        except Exception:  # noqa: BLE001 - node 0's launcher is gone: treat as a failure
+            return "the launcher of node 0 is unreachable"
+        return None
+
+    def _report_stalls(self, attempt: int, seen: dict[int, list]) -> None:
+        """Print "rank r has made no progress for N s" for ranks whose heartbeat stands still.
+
+        ``seen[rank]`` holds [state, since, last_report]: the rank's last (collectives,
+        steps, current op), when it last changed, and when we last reported it.
+        """
+        import json
+
+        now = time.time()
+        for r in self.ranks:
+            key = f"{dist_prefix(attempt)}/hb/{r.rank}"
+            try:
+                if not self.store.check([key]):
+                    continue
+                b = json.loads(self.store.get(key))
+            except Exception:  # noqa: BLE001 - best effort: the store may be going away
+                return
+            state = (b["seq"], b["ticks"], b["op"])
+            entry = seen.setdefault(r.rank, [state, now, 0.0])
+            if entry[0] != state:
+                seen[r.rank] = [state, now, 0.0]
+                continue
+            idle = now - entry[1]
+            if idle >= self.stall_s and now - entry[2] >= self.stall_s:
+                entry[2] = now
+                where = f"waiting in {b['op']} #{b['seq']}" if b["op"] else f"outside any collective after #{b['seq']}"
+                _log(f"dptrain run: rank {r.rank} has made no progress for {idle:.0f}s ({where}, {b['ticks']} steps)")
+
+    def watch(self, attempt: int) -> tuple[_RankProcess | None, str | None]:
+        """Wait until all ranks exit 0 (None, None), a local rank fails (rank, None), or a peer node fails."""
+        seen: dict[int, list] = {}
+        polls = 0
+        while True:
+            alive = False
+            for r in self.ranks:
+                code = r.poll()
+                if code is None:
+                    alive = True
+                elif code != 0:
+                    return r, None
+            if not alive:
+                for r in self.ranks:
+                    r.finish_output()
+                return None, None
+            polls += 1
+            if polls % _STALL_EVERY == 0:
+                if self.config.nnodes > 1:
+                    peer = self._peer_failure(attempt)
+                    if peer:
+                        return None, peer
+                self._report_stalls(attempt, seen)
+            time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        import shutil
+
+        if self.ranks:
+            _stop_ranks(self.ranks, grace_s=0.5)
+        if self.server:
+            self.server.close()
+        shutil.rmtree(self.error_dir, ignore_errors=True)
+
+
+_POLL_S = 0.05
+_STALL_EVERY = 20  # check heartbeats and peers once a second
+
+
+def dist_prefix(attempt: int) -> str:
+    """Store prefix under which ranks of ``attempt`` keep dptrain's own keys (see env.init)."""
+    return f"dptrain/attempt{attempt}/dp"
+
+
 def run_job(config: LaunchConfig) -> int:
     """Run the job described by ``config`` on this node; return the launcher's exit code.
 
-    Starts ``nproc_per_node`` ranks, relays their output, and stops them all as soon as one
-    fails. With ``max_restarts`` > 0 the whole group is restarted after a failure.
+    Starts ``nproc_per_node`` ranks, relays their output, reports ranks that stop making
+    progress, and stops them all as soon as one fails. With ``max_restarts`` > 0 the whole
+    job (every node) is restarted after a failure, up to that many times.
     """
-    single_node = config.nnodes == 1
-    host = config.master_addr or "127.0.0.1"
-    server = None
-    if config.node_rank == 0:
-        # Single node: 127.0.0.1 only. Several nodes: the explicit master address only.
-        server = _StoreServer(host, config.master_port or 0, config.world_size, timeout_s=config.timeout or 600.0)
-    port = server.port if server else config.master_port
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
-    omp, notice = _omp_threads(config.nproc_per_node)
-    if notice:
-        _log(notice)
-    base_env = dict(os.environ)
-    if omp:
-        base_env["OMP_NUM_THREADS"] = omp
-    if config.timeout is not None:
-        base_env["DPTRAIN_TIMEOUT"] = str(config.timeout)
-    if config.debug:
-        base_env["DPTRAIN_DEBUG"] = "1"
-    if single_node and "GLOO_SOCKET_IFNAME" not in base_env and _loopback_ifname():
-        base_env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
-    base_env["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, "-u"] + (["-m", config.program] if config.module else [config.program]) + list(config.args)
-
     interrupted = {"sig": None}
 
     def on_signal(signum, _frame):
@@ -506,38 +661,35 @@ def run_job(config: LaunchConfig) -> int:
         raise _Interrupted()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    lock = threading.Lock()
-    ranks: list[_RankProcess] = []
+    job = None
     try:
+        job = _Job(config)
         for attempt in range(config.max_restarts + 1):
-            ranks = []
-            for local in range(config.nproc_per_node):
-                rank = config.node_rank * config.nproc_per_node + local
-                environ = dict(base_env)
-                environ.update(
-                    rank_environ(
-                        rank=rank, local_rank=local, world_size=config.world_size,
-                        local_world_size=config.nproc_per_node, node_rank=config.node_rank,
-                        num_nodes=config.nnodes, master_addr=host, master_port=port, run_id=run_id,
-                        restart_count=attempt, max_restarts=config.max_restarts,
-                    )
-                )
-                show = config.log_ranks is None or rank in config.log_ranks
-                ranks.append(_RankProcess(rank, local, cmd, environ, show, lock))
-            failed = _watch_ranks(ranks)
-            if failed is None:
+            job.start(attempt)
+            failed, peer = job.watch(attempt)
+            if failed is None and peer is None:
                 return 0
-            code = failed.poll()
-            others = [r for r in ranks if r is not failed]
-            _log(
-                f"dptrain run: rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
-                f"{_describe_exit(code)}; stopping the other {len(others)} rank(s)"
-            )
+            if failed is not None:
+                code = failed.poll()
+                what = (f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
+                        f"{_describe_exit(code)}")
+                try:
+                    job.store.set(f"launcher/failed/{attempt}", f"on node {config.node_rank}: {what}")
+                except Exception:  # noqa: BLE001 - single node or store gone: nothing to tell
+                    pass
+            else:
+                code = 1
+                what = f"a rank of another node failed ({peer})"
+            others = [r for r in job.ranks if r is not failed]
+            _log(f"dptrain run: {what}; stopping the other {len(others)} rank(s) of this node")
             _stop_ranks(others)
-            for r in ranks:
+            for r in job.ranks:
                 r.finish_output()
-            if failed.tail:
-                _log(f"--- last lines of rank {failed.rank} ---\n" + "\n".join(failed.tail) + "\n---")
+            if failed is not None:
+                tb = _read_error_file(os.path.join(job.error_dir, f"attempt_{attempt}", str(failed.rank), "error.json"))
+                tail = tb or "\n".join(failed.tail)
+                if tail:
+                    _log(f"--- last lines of rank {failed.rank} ---\n{tail}\n---")
             if attempt < config.max_restarts:
                 _log(f"dptrain run: restarting all ranks (restart {attempt + 1} of {config.max_restarts})")
                 continue
@@ -547,29 +699,11 @@ def run_job(config: LaunchConfig) -> int:
         return 1
     except _Interrupted:
         _log(f"dptrain run: {signal.Signals(interrupted['sig']).name} received; stopping all ranks")
-        _stop_ranks(ranks)
+        if job:
+            _stop_ranks(job.ranks)
         return 130 if interrupted["sig"] == signal.SIGINT else 143
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        if ranks:
-            _stop_ranks(ranks, grace_s=0.5)
-        if server:
-            server.close()
-
-
-def _watch_ranks(ranks: Sequence[_RankProcess]) -> _RankProcess | None:
-    """Wait until every rank exits 0 (return None) or one fails (return it)."""
-    while True:
-        alive = False
-        for r in ranks:
-            code = r.poll()
-            if code is None:
-                alive = True
-            elif code != 0:
-                return r
-        if not alive:
-            for r in ranks:
-                r.finish_output()
-            return None
-        time.sleep(0.05)
+        if job:
+            job.close()

@@ -1,0 +1,343 @@
+"""One FSDP unit: a module's parameters flattened into one flat parameter, sharded across ranks.
+
+A :class:`FlatParamUnit` owns the parameters of one wrapped module (minus those of units
+nested inside it). It keeps two tensors:
+
+- ``flat_param``: this rank's shard, an ``nn.Parameter`` of ``padded_numel / world`` elements
+  (the whole flat tensor for ``no_shard``). It is what the optimizer sees and steps; with
+  ``cpu_offload`` it lives on the CPU, and so does its gradient.
+- ``full_param``: the gathered, padded flat tensor on the compute device. Its storage exists
+  only while the unit is unsharded (between the all-gather and the reshard); otherwise it
+  has zero bytes. The module's original parameter attributes are set to views into it.
+
+[Note: writing gathered bytes without bumping the version counter]
+Autograd saves the views (a Linear saves its weight) and, when ``full_shard`` frees the
+storage after forward and gathers it again in backward, it checks that the saved tensors
+were not modified in place. The collectives therefore write into ``full_param.data``: that
+alias shares the storage but has its own version counter, so refilling the storage with the
+very same values is invisible to autograd -- which is exactly what is happening.
+
+[Note: one gradient per unit]
+The views come from a single ``torch.split`` of ``full_param``, so autograd sums the grads of
+all the unit's parameters into ``full_param.grad`` through one backward node, and the
+post-accumulate-grad hook on ``full_param`` fires once per backward, after the last of the
+unit's parameters got its gradient. That hook is where the gradients are reduce-scattered.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["FlatParamUnit", "ShardingStrategy"]
+
+
+class ShardingStrategy:
+    """The three strategies, as the strings the public API takes."""
+
+    FULL_SHARD = "full_shard"  # shard params, grads, optimizer state; free params after forward
+    SHARD_GRAD_OP = "shard_grad_op"  # as full_shard but keep params gathered from forward to backward
+    NO_SHARD = "no_shard"  # replicate everything and all-reduce grads, like DDP
+    ALL = (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD)
+
+
+class _ParamInfo(NamedTuple):
+    module: nn.Module  # the module that owned the parameter
+    name: str  # its attribute name there
+    shape: torch.Size
+    numel: int
+    offset: int  # where it starts in the flat tensor
+
+
+# Newer torch renamed the tensor collectives; the old names still work but warn.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Backends without the tensor collectives (older gloo builds) get list-based fallbacks.
+_FALLBACK = {"all_gather": False, "reduce_scatter": False}
+
+
+def _unsupported(err: Exception) -> bool:
+    text = str(err).lower()
+    return "not supported" in text or "does not support" in text or "no implementation" in text
+
+
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Any, world: int, async_op: bool):
+    """Gather equal shards into ``out`` (rank order). Returns a work handle or None."""
+    if world == 1:
+        out.copy_(shard)
+        return None
+    if not _FALLBACK["all_gather"]:
+        try:
+            return _ALL_GATHER(out, shard, group=group, async_op=async_op)
+        except (RuntimeError, NotImplementedError) as err:
+            if not _unsupported(err):
+                raise
+            _FALLBACK["all_gather"] = True
+    # List all_gather into views of ``out``: same bytes, one extra launch per rank.
+    return dist.all_gather(list(out.chunk(world)), shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: Any, world: int, rank: int, async_op: bool):
+    """Sum ``full`` over ranks and leave this rank's chunk in ``out``. Returns work or None."""
+    if world == 1:
+        out.copy_(full)
+        return None
+    if not _FALLBACK["reduce_scatter"]:
+        try:
+            return _REDUCE_SCATTER(out, full, group=group, async_op=async_op)
+        except (RuntimeError, NotImplementedError) as err:
+            if not _unsupported(err):
+                raise
+            _FALLBACK["reduce_scatter"] = True
+    # Fallback: all-reduce the whole tensor, then keep our slice (2x the bytes of a
+    # reduce-scatter; only used when the backend has no reduce_scatter at all).
+    dist.all_reduce(full, group=group)
+    out.copy_(full.chunk(world)[rank])
+    return None
+
+
+def free_storage(t: torch.Tensor) -> None:
+    if t.untyped_storage().size() != 0:
+        t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().size() != nbytes:
+        t.untyped_storage().resize_(nbytes)
+
+
+class FlatParamUnit:
+    """The parameters of one wrapped module, flattened and sharded (internal to FSDP).
+
+    Args:
+        module: the wrapped module; it gets the shard registered as ``_flat_param``.
+        params: ``(owner_module, attr_name, parameter)`` in the order to flatten; a parameter
+            listed twice (tied weights) is stored once and both attributes view it.
+        strategy: one of :class:`ShardingStrategy`.
+        group, rank, world: the process group and this rank's place in it.
+        device: compute device (where the gathered parameters live).
+        offload: keep the shard and its gradient on the CPU.
+        sync_module_states: broadcast rank 0's values before sharding.
+        state: the shared per-root state (forward order, pending reductions, flags).
+    """
+
+    def __init__(self, module, params, strategy, group, rank, world, device, offload, sync_module_states, state):
+        self.module = module
+        self.strategy = strategy
+        self.group, self.rank, self.world = group, rank, world
+        self.device = torch.device(device)
+        self.offload = offload
+        self.state = state
+        self.is_root = False  # set by the root FSDP: its unit stays gathered after forward
+
+        uniq: dict[int, int] = {}  # id(param) -> index into infos
+        self.infos: list[_ParamInfo] = []
+        self.aliases: list[tuple[nn.Module, str, int]] = []  # tied weights: (module, name, info index)
+        offset = 0
+        dtypes, grads = set(), set()
+        first = []
+        for owner, name, p in params:
+            if id(p) in uniq:
+                self.aliases.append((owner, name, uniq[id(p)]))
+                continue
+            uniq[id(p)] = len(self.infos)
+            self.infos.append(_ParamInfo(owner, name, p.shape, p.numel(), offset))
+            first.append(p)
+            offset += p.numel()
+            dtypes.add(p.dtype)
+            grads.add(p.requires_grad)
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"FSDP flattens a unit's parameters into one tensor, but {type(module).__name__} mixes "
+                f"dtypes {sorted(map(str, dtypes))}; cast the model to one dtype before wrapping"
+            )
+        if len(grads) != 1:
+            raise ValueError(
+                f"FSDP unit {type(module).__name__} mixes frozen and trainable parameters; "
+                "wrap the frozen part as its own unit (auto_wrap_policy) or freeze all of it"
+            )
+        self.dtype = dtypes.pop()
+        self.requires_grad = grads.pop()
+        self.numel = offset
+        sharded = strategy != ShardingStrategy.NO_SHARD
+        self.padded_numel = math.ceil(self.numel / world) * world if sharded else self.numel
+        self.shard_numel = self.padded_numel // world if sharded else self.numel
+        # no_shard without offload computes on the flat parameter itself: nothing to gather.
+        self.identity = not sharded and not offload
+        self._split = [i.numel for i in self.infos] + [self.padded_numel - self.numel]
+
+        full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for info, p in zip(self.infos, first):
+                full[info.offset : info.offset + info.numel].copy_(p.detach().reshape(-1))
+            if sync_module_states and world > 1:
+                dist.broadcast(full, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        shard = full[rank * self.shard_numel : (rank + 1) * self.shard_numel].clone() if sharded else full
+        if offload:
+            shard = shard.cpu()
+            if torch.cuda.is_available() and self.device.type == "cuda":
+                shard = shard.pin_memory()  # lets the host-to-device copy run async
+        self.flat_param = nn.Parameter(shard, requires_grad=self.requires_grad)
+        self.flat_param._dptrain_fsdp_unit = True  # marks the parameters FSDP owns
+        del full
+
+        # The original parameters leave their modules; their bytes are released even when
+        # something (an optimizer built too early) still holds the Parameter objects.
+        for owner, name, p in params:
+            if name in owner._parameters:
+                del owner._parameters[name]
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p._dptrain_fsdp_flattened = True
+        if "_flat_param" in module._parameters:
+            raise ValueError(f"{type(module).__name__} is already an FSDP unit (it has a _flat_param)")
+        module.register_parameter("_flat_param", self.flat_param)
+
+        if self.identity:
+            self.full_param = self.flat_param
+        else:
+            self.full_param = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+            self.full_param.requires_grad_(self.requires_grad)
+            free_storage(self.full_param)
+        self.unsharded = self.identity
+        self._gather_work = None
+        self._gather_src = None  # keeps the device copy of an offloaded shard alive while gathering
+        if self.requires_grad:
+            self.full_param.register_post_accumulate_grad_hook(self._post_backward)
+        self._set_views(grad=False)
+
+    # -- gather / free -------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the full flat parameter (no-op when already gathered)."""
+        if self.unsharded:
+            return
+        alloc_storage(self.full_param)
+        src = self.flat_param.detach()
+        if self.offload:
+            src = src.to(self.device, non_blocking=True)
+        if self.strategy == ShardingStrategy.NO_SHARD:
+            self.full_param.data.copy_(src)
+        else:
+            self._gather_work = all_gather_flat(self.full_param.data, src, self.group, self.world, async_op)
+            self._gather_src = src
+        self.unsharded = True
+
+    def wait_unshard(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+        self._gather_src = None
+
+    def reshard(self) -> None:
+        """Free the gathered parameters (no-op for no_shard without offload)."""
+        if self.identity or not self.unsharded:
+            return
+        self.wait_unshard()
+        free_storage(self.full_param)
+        self.unsharded = False
+
+    def _set_views(self, grad: bool) -> None:
+        """Point the module attributes at views into ``full_param`` (see [Note: one gradient per unit])."""
+        with torch.set_grad_enabled(grad and self.requires_grad):
+            chunks = torch.split(self.full_param, self._split)
+        views = [c.view(info.shape) for c, info in zip(chunks, self.infos)]
+        for view, info in zip(views, self.infos):
+            setattr(info.module, info.name, view)
+        for owner, name, idx in self.aliases:
+            setattr(owner, name, views[idx])
+
+    # -- hooks (installed by the FSDP wrapper) -------------------------------------------
+    def pre_forward(self, module, args):
+        self.state.record_forward(self)
+        self.unshard()
+        self.wait_unshard()
+        self._set_views(grad=torch.is_grad_enabled())
+
+    def post_forward(self, module, args, output):
+        grad = torch.is_grad_enabled() and self.requires_grad
+        if not grad or (self.strategy == ShardingStrategy.FULL_SHARD and not self.is_root):
+            self.reshard()
+        if torch.is_grad_enabled():
+            flat, _ = torch.utils._pytree.tree_flatten(output)
+            for t in flat:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad):
+        state = self.state
+        state.queue_finalize()
+        if not self.unsharded or self._gather_work is not None:
+            self.unshard()
+            self.wait_unshard()
+        if state.backward_prefetch:
+            nxt = state.next_in_backward(self)
+            if nxt is not None and not nxt.unsharded:
+                nxt.unshard(async_op=True)
+        return grad
+
+    def _post_backward(self, full_param: torch.Tensor) -> None:
+        state = self.state
+        if not state.sync_grads:
+            # no_sync(): keep accumulating the unsharded gradient locally, free the params.
+            self.reshard()
+            return
+        grad = full_param.grad
+        if grad is None:
+            return
+        if self.world > 1:
+            grad.div_(self.world)  # average, as DDP does: divide, then sum
+        if self.identity:
+            work = dist.all_reduce(grad, group=self.group, async_op=True) if self.world > 1 else None
+            state.pending.append((self, work, None, None))
+            return
+        full_param.grad = None
+        if self.strategy == ShardingStrategy.NO_SHARD:
+            work = dist.all_reduce(grad, group=self.group, async_op=True) if self.world > 1 else None
+            out = grad
+        else:
+            out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
+            work = reduce_scatter_flat(out, grad, self.group, self.world, self.rank, async_op=True)
+        state.pending.append((self, work, out, grad))
+        self.reshard()
+
+    def finish_grad(self, work, out) -> None:
+        """Wait for this unit's reduction and add the result to the shard's gradient."""
+        if work is not None:
+            work.wait()
+        if out is None:  # identity: reduced in place in flat_param.grad
+            return
+        if self.offload:
+            out = out.to("cpu")
+        if self.flat_param.grad is None:
+            self.flat_param.grad = out
+        else:
+            self.flat_param.grad.add_(out)
+
+    # -- state dict helpers ----------------------------------------------------------------
+    def gather_full(self) -> torch.Tensor:
+        """The unpadded full flat tensor (a copy), gathered from every rank."""
+        was = self.unsharded
+        self.unshard()
+        self.wait_unshard()
+        out = self.full_param.detach()[: self.numel].clone()
+        if not was:
+            self.reshard()
+        return out
+
+    def load_full(self, full: torch.Tensor) -> None:
+        """Take this rank's shard of an unpadded full flat tensor."""
+        padded = torch.zeros(self.padded_numel, dtype=self.dtype)
+        padded[: self.numel].copy_(full.reshape(-1))
+        with torch.no_grad():
+            if self.strategy == ShardingStrategy.NO_SHARD:
+                self.flat_param.copy_(padded)
+            else:
+                self.flat_param.copy_(padded[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel])
+        if self.unsharded and not self.identity:
+            self.unsharded = False  # stale gathered copy; regather on next use
+            free_storage(self.full_param)

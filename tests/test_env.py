@@ -1,0 +1,160 @@
+"""Who am I: parsing launcher variables, and init() from torchrun's, Slurm's or no environment."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+import dptrain
+from dptrain.env import World, expand_nodelist, world_from_environ
+from dptrain.launch import free_port
+from tests._dist import run_ranks
+
+TORCHRUN = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500", "GROUP_RANK": "1"}
+
+
+def test_no_launcher_is_a_single_process():
+    assert world_from_environ({}) == World()
+    w = world_from_environ({"PATH": "/bin"})
+    assert (w.rank, w.world_size, w.local_rank, w.is_distributed) == (0, 1, 0, False)
+
+
+def test_torchrun_variables():
+    w = world_from_environ(TORCHRUN)
+    assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank) == (2, 4, 0, 2, 1)
+    assert (w.master_addr, w.master_port, w.source) == ("10.1.2.3", 29500, "torchrun")
+
+
+def test_hand_written_environment_without_local_variables():
+    w = world_from_environ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "12355"})
+    assert (w.local_rank, w.local_world_size) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"RANK": "abc"}, ["RANK='abc'", "not an integer", "dptrain run"]),
+        ({"RANK": "4"}, ["RANK=4", "WORLD_SIZE=4"]),
+        ({"WORLD_SIZE": "0"}, ["WORLD_SIZE='0'", ">= 1"]),
+        ({"MASTER_PORT": "http"}, ["MASTER_PORT='http'"]),
+        ({"MASTER_PORT": "70000"}, ["MASTER_PORT=70000", "TCP port"]),
+        ({"LOCAL_RANK": "5"}, ["LOCAL_RANK=5", "LOCAL_WORLD_SIZE=2"]),
+        ({"RANK": None}, ["RANK is not set"]),
+        ({"MASTER_ADDR": None}, ["MASTER_ADDR is not set"]),
+    ],
+)
+def test_malformed_torchrun_variables_name_the_variable_and_fix(change, words):
+    env = dict(TORCHRUN)
+    for k, v in change.items():
+        if v is None:
+            env.pop(k)
+        else:
+            env[k] = v
+    with pytest.raises(ValueError) as info:
+        world_from_environ(env)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_local_rank_alone_is_an_error():
+    with pytest.raises(ValueError, match="LOCAL_RANK='0' is set but RANK and WORLD_SIZE are not"):
+        world_from_environ({"LOCAL_RANK": "0"})
+
+
+SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+         "SLURM_JOB_NODELIST": "gpu[07-08],cpu1", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "4242"}
+
+
+def test_slurm_variables():
+    w = world_from_environ(SLURM)
+    assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank) == (5, 8, 1, 4, 1)
+    assert w.master_addr == "gpu07" and w.source == "slurm"
+    assert w.master_port == 15000 + 4242 % 20000
+    assert world_from_environ({**SLURM, "MASTER_PORT": "1234", "MASTER_ADDR": "head"}).master_port == 1234
+
+
+def test_torchrun_variables_win_over_slurm():
+    assert world_from_environ({**SLURM, **TORCHRUN}).source == "torchrun"
+
+
+def test_slurm_single_task_is_a_single_process():
+    assert world_from_environ({**SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == World()
+
+
+@pytest.mark.parametrize(
+    "text, hosts",
+    [
+        ("node1", ["node1"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("a[1-2],b,c[09-10]", ["a1", "a2", "b", "c09", "c10"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("gpu-a100-[3,5]", ["gpu-a100-3", "gpu-a100-5"]),
+    ],
+)
+def test_expand_nodelist(text, hosts):
+    assert expand_nodelist(text) == hosts
+
+
+@pytest.mark.parametrize("bad", ["node[1-2", "node1-2]", "node[a-b]", "node[3-1]"])
+def test_expand_nodelist_rejects_malformed(bad):
+    with pytest.raises(ValueError, match="Slurm node list"):
+        expand_nodelist(bad)
+
+
+def test_init_without_launcher_is_world_of_one(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    assert dptrain.rank() == 0 and dptrain.world_size() == 1 and dptrain.is_main_process()
+    with dptrain.init() as world:
+        assert world.world_size == 1 and not dist.is_initialized()
+        assert dptrain.init() is world  # idempotent
+        assert dptrain.device().type in ("cpu", "cuda")
+    assert not dptrain.is_initialized()
+
+
+def test_init_rejects_unknown_backend_and_bad_timeout():
+    with pytest.raises(ValueError, match="unknown backend 'tcp'"):
+        dptrain.init(backend="tcp")
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        dptrain.init(timeout=-1)
+
+
+def _whoami(rank):
+    w = dptrain.get_world()
+    return (rank, dptrain.rank(), dptrain.world_size(), dptrain.local_rank(), dist.is_initialized(),
+            dist.get_world_size(), w.source, dptrain.is_main_process())
+
+
+def test_init_from_torchrun_environment():
+    out = run_ranks(_whoami, 3)
+    assert out == [(r, r, 3, r, True, 3, "torchrun", r == 0) for r in range(3)]
+
+
+_SLURM_CHILD = r"""
+import json, dptrain, torch
+from dptrain import comm
+w = dptrain.init(timeout=30)
+t = torch.tensor([float(w.rank)])
+comm.all_reduce(t)
+print(json.dumps([w.rank, w.world_size, w.local_rank, w.source, w.master_addr, t.item()]))
+dptrain.shutdown()
+"""
+
+
+def test_init_from_slurm_environment_without_torchrun():
+    port = free_port()
+    procs = []
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    for r in range(2):
+        env = dict(base, SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), SLURM_NODEID="0",
+                   SLURM_JOB_NODELIST="localhost", SLURM_TASKS_PER_NODE="2", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", _SLURM_CHILD], env=env, stdout=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    import json
+
+    rows = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    assert rows == [[r, 2, r, "slurm", "localhost", 1.0] for r in range(2)]
