@@ -14,6 +14,7 @@ connection, and the launcher can read the ranks' heartbeats from it. Under ``sru
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -409,6 +410,9 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         from dptrain import _diagnostics
 
         _diagnostics.start_heartbeat(_STATE.store, world.rank)
+        # A script that never calls shutdown() must still exit cleanly: a heartbeat thread or
+        # process group torn down by the interpreter's exit aborts the process instead.
+        atexit.register(shutdown)
     _STATE.world, _STATE.backend, _STATE.timeout = world, chosen, td
     return world
 

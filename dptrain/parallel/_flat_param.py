@@ -202,13 +202,16 @@ class FlatParamUnit:
         else:
             self.full_param = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
             self.full_param.requires_grad_(self.requires_grad)
+        # Attributes exist between iterations too (as views of freed storage: touching their
+        # values outside forward/backward is an error, as in PyTorch's FSDP).
+        self._set_views(grad=False)
+        if not self.identity:
             free_storage(self.full_param)
         self.unsharded = self.identity
         self._gather_work = None
         self._gather_src = None  # keeps the device copy of an offloaded shard alive while gathering
         if self.requires_grad:
             self.full_param.register_post_accumulate_grad_hook(self._post_backward)
-        self._set_views(grad=False)
 
     # -- gather / free -------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:

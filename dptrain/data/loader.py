@@ -1,0 +1,250 @@
+"""The DataLoader that knows its place in the epoch, and data preparation on one rank first.
+
+:func:`prepare_dataloader` builds a ``torch.utils.data.DataLoader`` (the subclass
+:class:`DistributedDataLoader`) over a :class:`~dptrain.data.DistributedSampler`. The loader
+counts the samples of every batch it hands to the training loop and tells the sampler, so
+``loader.state_dict()`` is the position as the loop saw it -- not as the workers, which
+fetch ``prefetch_factor * num_workers`` batches ahead, saw it.
+
+[Note: worker seeds]
+PyTorch seeds each worker's ``torch``, ``random`` and ``numpy`` from a base seed drawn from
+``loader.generator`` when the iterator starts (base + worker id). Left alone, that base
+comes from the global RNG and differs from run to run. Here the generator is re-seeded
+before every iteration from ``(seed, rank, epoch)``, so the random augmentations of a
+worker are the same in every run, different on every rank and worker, and different each
+epoch. With ``persistent_workers=True`` the workers are seeded once, at the first
+iteration, and their streams run on across epochs (still the same in every run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.utils.data
+
+from dptrain import comm, env
+from dptrain.data.sampler import DistributedSampler
+
+__all__ = ["DistributedDataLoader", "prepare_dataloader", "main_process_first"]
+
+
+def _derive_seed(seed: int, rank: int, epoch: int) -> int:
+    digest = hashlib.sha256(f"dptrain-loader/{seed}/{rank}/{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class _CountingIterator:
+    """Wraps a DataLoader iterator; each batch it hands out advances the sampler."""
+
+    def __init__(self, inner: Iterator, sampler: DistributedSampler, batch_size: int | None, total: int) -> None:
+        self._inner = inner
+        self._sampler = sampler
+        self._batch_size = batch_size
+        self._left = total  # samples of this iteration not yet handed out
+
+    def __iter__(self) -> "_CountingIterator":
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        # Batches come in sampler order, full ones first: batch k holds min(batch_size, left)
+        # samples. A dropped last batch (drop_last=True) is never handed out, never counted.
+        n = 1 if self._batch_size is None else min(self._batch_size, self._left)
+        self._left -= n
+        self._sampler.advance(n)
+        return batch
+
+
+class DistributedDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader over a :class:`DistributedSampler` whose position can be saved.
+
+    Build it with :func:`prepare_dataloader`. Beyond ``DataLoader`` it has
+    :meth:`set_epoch`, :meth:`state_dict` and :meth:`load_state_dict`; the saved position
+    counts the samples of the batches this loader has handed out.
+    """
+
+    def __init__(self, dataset: Any, *, sampler: DistributedSampler, seed: int = 0, **kwargs: Any) -> None:
+        if not isinstance(sampler, DistributedSampler):
+            raise TypeError(f"DistributedDataLoader needs a dptrain DistributedSampler, got {type(sampler).__name__}")
+        super().__init__(dataset, sampler=sampler, **kwargs)
+        self.seed = seed
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler: DistributedSampler = self.sampler
+        # Enter the iteration now (not lazily at the first batch): a state saved between
+        # iter(loader) and the first batch must describe this iteration.
+        sampler._prepared = sampler._start_iteration()
+        total = len(sampler._prepared)
+        g = torch.Generator()
+        g.manual_seed(_derive_seed(self.seed, sampler.rank, sampler.epoch))
+        self.generator = g
+        return _CountingIterator(super().__iter__(), sampler, self.batch_size, total)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the sampler's epoch (shuffle order and worker seeds); see :meth:`DistributedSampler.set_epoch`."""
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the epoch as the loop saw it: ``{"sampler": sampler.state_dict()}``."""
+        return {"sampler": self.sampler.state_dict(), "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (or a bare or merged sampler state) at the next iteration.
+
+        The batch size may differ from the saved one: the rest of the epoch is regrouped.
+
+        Raises:
+            ValueError: as :meth:`DistributedSampler.load_state_dict`.
+        """
+        if isinstance(state, dict) and "sampler" in state:
+            state = state["sampler"]
+        self.sampler.load_state_dict(state)
+
+
+def prepare_dataloader(
+    dataset: Any,
+    batch_size: int | None,
+    shuffle: bool = True,
+    num_workers: int = 0,
+    drop_last: bool = False,
+    mode: str = "train",
+    seed: int = 0,
+    persistent_workers: bool = False,
+    pin_memory: bool | None = None,
+    collate_fn: Callable | None = None,
+    **kw: Any,
+) -> DistributedDataLoader:
+    """Build the DataLoader for this rank: distributed sampler, seeds, pinning, resumable.
+
+    Args:
+        dataset: a map-style dataset.
+        batch_size: samples per batch on this rank (the global batch is
+            ``batch_size * world_size``); ``None`` yields single samples.
+        shuffle: shuffle each epoch (``mode="train"`` only). Default True.
+        num_workers: DataLoader worker processes. Default 0 (load in this process).
+        drop_last: drop the incomplete last batch *and* let the sampler cut the dataset to
+            a multiple of the world size instead of padding (``mode="train"`` only).
+            Default False.
+        mode: ``"train"``: PyTorch's padded partition, equal shards for lockstep DDP.
+            ``"eval"``: the exact-evaluation partition (``pad=False``, no shuffle, no
+            drop): uneven shards, every sample exactly once; combine the outputs with
+            :func:`dptrain.gather_results`. Default ``"train"``.
+        seed: seeds the shuffle and, with ``rank`` and ``epoch``, the workers (see the
+            module Note). Default 0.
+        persistent_workers: keep workers alive between epochs (needs ``num_workers > 0``).
+            Default False.
+        pin_memory: page-locked batches for fast copies to the GPU. Default: True when
+            CUDA is available, else False.
+        collate_fn: merges samples into a batch. Default: PyTorch's default collate.
+        **kw: ``num_replicas`` and ``rank`` go to the sampler (default: the current
+            world); everything else (``prefetch_factor``, ``worker_init_fn``, ``timeout``,
+            ``multiprocessing_context``, ...) to ``DataLoader``.
+
+    Returns:
+        A :class:`DistributedDataLoader`; ``loader.sampler`` is its
+        :class:`DistributedSampler`.
+
+    Raises:
+        ValueError: unknown ``mode``; ``drop_last=True`` in eval mode; a ``sampler`` or
+            ``batch_sampler`` in ``kw``; ``persistent_workers`` without workers; and the
+            sampler's errors (empty dataset, dataset smaller than the world with drop_last).
+
+    Example:
+        >>> loader = dptrain.prepare_dataloader(train_set, batch_size=64, num_workers=2)
+        >>> for epoch in range(epochs):
+        ...     loader.set_epoch(epoch)
+        ...     for x, y in loader:
+        ...         ...
+        ...     torch.save({"data": loader.state_dict(), ...}, path)
+    """
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    for bad in ("sampler", "batch_sampler", "shuffle_sampler"):
+        if bad in kw:
+            raise ValueError(
+                f"prepare_dataloader builds its own distributed sampler; drop {bad}= (or build a "
+                f"torch DataLoader yourself with sampler=dptrain.DistributedSampler(...))"
+            )
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers=True needs num_workers > 0; set num_workers or drop persistent_workers")
+    num_replicas = kw.pop("num_replicas", None)
+    rank = kw.pop("rank", None)
+    if mode == "eval":
+        if drop_last:
+            raise ValueError(
+                "drop_last=True in eval mode would leave samples out of the evaluation; "
+                "use drop_last=False (the default) for exact evaluation"
+            )
+        sampler = DistributedSampler(dataset, num_replicas, rank, shuffle=False, seed=seed, drop_last=False, pad=False)
+    else:
+        sampler = DistributedSampler(dataset, num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    return DistributedDataLoader(
+        dataset,
+        sampler=sampler,
+        seed=seed,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        drop_last=drop_last,
+        persistent_workers=persistent_workers,
+        pin_memory=pin_memory,
+        collate_fn=collate_fn,
+        **kw,
+    )
+
+
+@contextlib.contextmanager
+def main_process_first(local: bool = False):
+    """Run the body on rank 0 first (downloads, caches), then on every other rank.
+
+    Rank 0 (with ``local=True``: local rank 0 of every node) runs the body while the others
+    wait; then the others run it, and find the files ready. Without a process group the body
+    just runs.
+
+    If the body raises on a leading rank, that rank tells the waiting ranks and re-raises
+    its error; each waiting rank then raises ``RuntimeError`` naming the failed rank instead
+    of running the body, so nobody waits for a timeout. The body must not itself run
+    collectives (the ranks run it at different times). A leader that dies outright (killed,
+    ``KeyboardInterrupt``) leaves the others waiting until the launcher stops the job or the
+    process group's timeout passes.
+
+    Args:
+        local: lead with local rank 0 of each node (node-local disks) instead of global
+            rank 0 (a shared filesystem). Default False.
+
+    Raises:
+        RuntimeError: on a waiting rank, when the body failed on a leading rank.
+
+    Example:
+        >>> with dptrain.main_process_first():
+        ...     train_set = torchvision.datasets.CIFAR10("data", download=True)
+    """
+    if not comm.is_distributed():
+        yield
+        return
+    world = env.get_world()
+    leader = world.local_rank == 0 if local else world.rank == 0
+    if not leader:
+        statuses = comm.all_gather_object(None)
+        failed = [(r, msg) for r, msg in enumerate(statuses) if msg is not None]
+        if failed:
+            r, msg = failed[0]
+            raise RuntimeError(
+                f"rank {world.rank}: not running the main_process_first body because it failed on rank {r}: {msg}"
+            )
+        yield
+        return
+    try:
+        yield
+    except Exception as exc:
+        # One gather that every rank enters once: the waiting ranks learn of the failure.
+        comm.all_gather_object(f"{type(exc).__name__}: {exc}")
+        raise
+    comm.all_gather_object(None)

@@ -1,0 +1,485 @@
+"""DistributedSampler: PyTorch's index order, plus a resumable mid-epoch position.
+
+Every rank reads the same global order for an epoch and takes every ``num_replicas``-th
+position of it, starting at its rank -- exactly the arithmetic of
+``torch.utils.data.DistributedSampler``, so a run switched to dptrain sees the same samples
+in the same order. On top of that the sampler knows how far this rank got through the
+epoch, so a job can stop mid-epoch and continue -- on the same or on a different number of
+ranks -- without repeating or skipping samples.
+
+[Note: the global order of an epoch]
+``base`` is ``torch.randperm(len(dataset))`` from a generator seeded with ``seed + epoch``
+(``shuffle=True``) or ``range(len(dataset))``. It is then made divisible by the world size W:
+
+- ``pad=True, drop_last=False`` (PyTorch's default): ``base`` is extended by repeating it
+  from its start (several times over when the dataset is smaller than W) up to
+  ``ceil(n / W) * W`` entries.
+- ``drop_last=True``: the tail is cut to ``floor(n / W) * W`` entries.
+- ``pad=False`` (exact evaluation): left as it is; ranks get ``ceil((n - r) / W)``
+  samples, which differ by at most one, and no sample is repeated.
+
+Rank r takes positions r, r + W, r + 2W, ... of that order.
+
+[Note: resuming, and the rule for a different world size]
+A rank's state records the epoch, the seed and ``consumed``: how many of its samples the
+DataLoader has handed to the training loop (not how many the sampler yielded -- workers
+fetch ahead). Consumed samples of rank r are positions r, r + W, ..., r + (consumed - 1) W.
+
+- Same world size: rank r skips its first ``consumed`` samples and continues with exactly
+  the samples it would have seen next (padding repeats included), so the resumed part
+  concatenated to the part before the stop is the uninterrupted epoch.
+- Different world size W': the *remainder* of the epoch is the global order with the
+  consumed positions removed, then with every sample that was already consumed or already
+  appears earlier in the remainder removed (padding repeats are dropped, never shown twice
+  because of the resume). The remainder R is then arranged for W' ranks as a fresh epoch
+  would be: ``pad=True`` repeats R from its start up to a multiple of W' (at most W' - 1
+  repeats, needed so every rank runs the same number of steps); ``drop_last=True`` cuts R
+  to a multiple of W' (at most W' - 1 unseen samples are left for the next epoch);
+  ``pad=False`` leaves it uneven. Rank r' takes positions r', r' + W', ... of R.
+  So every sample of the epoch not yet consumed is seen exactly once after the resume,
+  apart from those at most W' - 1 padding repeats (or cuts with ``drop_last``).
+- Resuming again (to yet another size) applies the same rule to the remainder; the state
+  keeps the chain in ``history``.
+
+Which counts: a single rank's state stands for every rank -- under DDP every rank takes
+one batch per step from shards of equal length, so all counts are equal. When counts may
+differ (ranks that stopped at different points, ``pad=False`` shards), gather every rank's
+state and merge them: ``DistributedSampler.merge_states(comm.all_gather_object(s.state_dict()))``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.utils.data
+
+from dptrain import env
+
+__all__ = ["DistributedSampler"]
+
+_STATE_VERSION = 1
+# Keys a sampler state must carry; a merged state has a list for "consumed" and rank None.
+_STATE_KEYS = ("version", "epoch", "seed", "shuffle", "drop_last", "pad", "dataset_len",
+               "num_replicas", "rank", "consumed", "history")
+
+
+def _default_world() -> tuple[int, int]:
+    # A process group created with torch.distributed directly (without dptrain.init) is the
+    # world a torch script expects the sampler to see.
+    if not env.is_initialized() and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    world = env.get_world()
+    return world.world_size, world.rank
+
+
+def _dataset_len(dataset: Any) -> int:
+    try:
+        return len(dataset)
+    except TypeError:
+        raise TypeError(
+            f"DistributedSampler needs a dataset with len(); got {type(dataset).__name__}, which has none "
+            "(an IterableDataset must shard itself, e.g. by torch.utils.data.get_worker_info() and dptrain.rank())"
+        ) from None
+
+
+def _base_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)  # PyTorch's choice: one stream per (seed + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def _arrange(items: list[int], world: int, drop_last: bool, pad: bool) -> list[int]:
+    """Make ``items`` divisible by ``world`` the way PyTorch does (see the module Note)."""
+    n = len(items)
+    if not pad or n == 0:
+        return items
+    if drop_last:
+        return items[: n - n % world]
+    missing = math.ceil(n / world) * world - n
+    if missing == 0:
+        return items
+    return items + (items * math.ceil(missing / n))[:missing]
+
+
+def _unseen(order: list[int], world: int, consumed: Sequence[int]) -> list[int]:
+    """The remainder of a segment: positions not consumed, minus seen samples and repeats."""
+    taken = bytearray(len(order))
+    seen = set()
+    for r, count in enumerate(consumed):
+        for pos in range(r, r + count * world, world):
+            taken[pos] = 1
+            seen.add(order[pos])
+    out = []
+    for pos, idx in enumerate(order):
+        if not taken[pos] and idx not in seen:
+            seen.add(idx)
+            out.append(idx)
+    return out
+
+
+def _shard_len(total: int, world: int, rank: int) -> int:
+    return len(range(rank, total, world))
+
+
+class DistributedSampler(torch.utils.data.DistributedSampler):
+    """Restrict a DataLoader to this rank's part of the dataset, as PyTorch does, resumably.
+
+    For every combination of arguments (``pad=True``) this yields the same indices, and has
+    the same ``len()``, as ``torch.utils.data.DistributedSampler``. It is a subclass of it,
+    so code that checks ``isinstance(sampler, DistributedSampler)`` keeps working. In
+    addition it can save and restore its position in the epoch (:meth:`state_dict`), also
+    onto a different number of ranks, and ``pad=False`` gives the exact-evaluation
+    partition: uneven shards in which every sample appears exactly once.
+
+    The rules (global order, padding, what a resume on another world size sees) are in the
+    module's Notes, ``dptrain.data.sampler``.
+
+    Args:
+        dataset: a map-style dataset (anything with ``len()``), of constant size.
+        num_replicas: number of ranks sharing the dataset. Default: the current world size
+            (``dptrain.world_size()``; 1 when there is no process group).
+        rank: this rank, ``0 <= rank < num_replicas``. Default: ``dptrain.rank()``.
+        shuffle: shuffle the order each epoch (seeded by ``seed + epoch``). Default True.
+        seed: shuffling seed; must be the same on every rank. Default 0.
+        drop_last: cut the tail so every rank gets ``floor(n / num_replicas)`` samples,
+            instead of padding by repeats. Default False.
+        pad: with ``drop_last=False``, repeat samples so that every rank gets
+            ``ceil(n / num_replicas)`` (PyTorch's behaviour, needed for lockstep DDP
+            training). ``pad=False`` gives ranks ``ceil((n - rank) / num_replicas)``
+            samples with no repeats -- use it for evaluation with
+            :func:`dptrain.gather_results`. Default True.
+
+    Raises:
+        ValueError: ``num_replicas < 1``; ``rank`` outside ``[0, num_replicas)``; an empty
+            dataset; ``drop_last=True`` with fewer samples than ranks (every rank would get
+            none); ``pad=False`` together with ``drop_last=True``.
+        TypeError: the dataset has no ``len()``.
+
+    Example:
+        >>> sampler = dptrain.DistributedSampler(dataset, shuffle=True, seed=0)
+        >>> loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+        >>> for epoch in range(start_epoch, epochs):
+        ...     sampler.set_epoch(epoch)
+        ...     for batch in loader:
+        ...         ...
+        ...         sampler.advance(len(batch))    # or use dptrain.prepare_dataloader
+    """
+
+    # torch's __init__ is not called: it would ask torch.distributed for defaults (and fail
+    # without a process group) and it knows nothing of ``pad``; every attribute it sets is
+    # set here with the same name and meaning.
+    def __init__(
+        self,
+        dataset: Any,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        pad: bool = True,
+    ) -> None:
+        if num_replicas is None or rank is None:
+            default_world, default_rank = _default_world()
+            num_replicas = default_world if num_replicas is None else num_replicas
+            rank = default_rank if rank is None else rank
+        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}; pass the number of ranks")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"rank {rank!r} is outside [0, {num_replicas - 1}] for num_replicas={num_replicas}; "
+                f"pass rank=dptrain.rank() (or leave rank=None)"
+            )
+        if pad is False and drop_last:
+            raise ValueError(
+                "pad=False (uneven shards, no repeats) and drop_last=True (cut the tail) contradict each "
+                "other; use pad=False for exact evaluation or drop_last=True for training"
+            )
+        n = _dataset_len(dataset)
+        if n == 0:
+            raise ValueError("the dataset is empty (len 0); a sampler over it would give every rank nothing")
+        if drop_last and n < num_replicas:
+            raise ValueError(
+                f"drop_last=True with {n} samples on {num_replicas} ranks gives every rank 0 samples; "
+                f"use drop_last=False (samples are repeated to fill the ranks) or fewer ranks"
+            )
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.pad = pad
+        if pad:
+            self.num_samples = (n // num_replicas) if drop_last else math.ceil(n / num_replicas)
+            self.total_size = self.num_samples * num_replicas
+        else:
+            self.num_samples = _shard_len(n, num_replicas, rank)
+            self.total_size = n
+        self._history: list[tuple[int, list[int]]] = []  # earlier segments of this epoch
+        self._consumed = 0  # samples of the current segment handed out on this rank
+        self._resume_pending = False  # the next __iter__ continues from _history/_consumed
+        self._prepared: list[int] | None = None  # indices handed to the next __iter__
+        self._current: list[int] | None = None  # what the running iteration yields
+        self._order_cache: tuple[Any, list[int]] | None = None
+
+    # ---- the order --------------------------------------------------------------------
+
+    def _segment_order(self, history: Sequence[tuple[int, Sequence[int]]], world: int) -> list[int]:
+        """Global order of the segment that follows ``history``, arranged for ``world`` ranks."""
+        key = (len(self.dataset), self.seed, self.epoch, tuple((w, tuple(c)) for w, c in history), world)
+        if self._order_cache is not None and self._order_cache[0] == key:
+            return self._order_cache[1]
+        worlds = [w for w, _ in history] + [world]
+        order = _arrange(_base_order(len(self.dataset), self.seed, self.epoch, self.shuffle), worlds[0],
+                         self.drop_last, self.pad)
+        for k, (w, consumed) in enumerate(history):
+            order = _arrange(_unseen(order, w, consumed), worlds[k + 1], self.drop_last, self.pad)
+        self._order_cache = (key, order)
+        return order
+
+    def _start_iteration(self) -> list[int]:
+        """Enter the next iteration: the resumed remainder once after a load, else the epoch."""
+        if self._resume_pending:
+            self._resume_pending = False
+            skip = self._consumed
+        else:
+            self._history, self._consumed, skip = [], 0, 0
+        if not self._history and skip == 0:
+            order = _arrange(_base_order(len(self.dataset), self.seed, self.epoch, self.shuffle),
+                             self.num_replicas, self.drop_last, self.pad)
+        else:
+            order = self._segment_order(self._history, self.num_replicas)
+        self._current = order[self.rank :: self.num_replicas][skip:]
+        return self._current
+
+    def __iter__(self) -> Iterator[int]:
+        indices = self._prepared if self._prepared is not None else self._start_iteration()
+        self._prepared = None
+        return iter(indices)
+
+    def __len__(self) -> int:
+        """Samples the current (or next) iteration yields on this rank.
+
+        ``num_samples`` normally; after :meth:`load_state_dict`, the rest of the resumed
+        epoch, until the next :meth:`set_epoch` or the iteration after the resumed one.
+        """
+        if self._prepared is not None:
+            return len(self._prepared)
+        if self._resume_pending:
+            return self._segment_len(self.rank) - self._consumed
+        if self._current is not None and (self._history or len(self._current) != self.num_samples):
+            return len(self._current)
+        return self.num_samples
+
+    def _segment_len(self, rank: int, history=None, world: int | None = None) -> int:
+        history = self._history if history is None else history
+        world = self.num_replicas if world is None else world
+        if not history:
+            return _shard_len(_arranged_size(len(self.dataset), world, self.drop_last, self.pad), world, rank)
+        return _shard_len(len(self._segment_order(history, world)), world, rank)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch, which seeds the shuffle (``seed + epoch``).
+
+        Call it before each epoch, as with PyTorch's sampler. Setting a different epoch
+        discards a position restored by :meth:`load_state_dict`; setting the restored
+        epoch again keeps it, so ``load_state_dict(s); set_epoch(s["epoch"])`` resumes.
+
+        Args:
+            epoch: the epoch number.
+        """
+        if epoch != self.epoch:
+            self._history, self._consumed = [], 0
+            self._resume_pending = False
+            self._prepared = None
+            self._current = None
+        self.epoch = epoch
+
+    def indices(self) -> list[int]:
+        """The dataset indices the current (or next) iteration yields on this rank, in order.
+
+        Unlike ``list(sampler)`` this does not start an iteration (which would discard a
+        restored position). Use it to pair evaluation outputs with their samples::
+
+            preds = torch.cat([model(x) for x, _ in loader])
+            dptrain.gather_results(preds, loader.sampler.indices())
+        """
+        if self._prepared is not None:
+            return list(self._prepared)
+        if self._resume_pending:
+            order = self._segment_order(self._history, self.num_replicas)
+            return order[self.rank :: self.num_replicas][self._consumed :]
+        if self._current is not None:
+            return list(self._current)
+        order = _arrange(_base_order(len(self.dataset), self.seed, self.epoch, self.shuffle),
+                         self.num_replicas, self.drop_last, self.pad)
+        return order[self.rank :: self.num_replicas]
+
+    # ---- the position -----------------------------------------------------------------
+
+    def advance(self, num_samples: int) -> None:
+        """Record that ``num_samples`` more samples of this rank were handed to the loop.
+
+        The loader from :func:`dptrain.prepare_dataloader` calls this for every batch it
+        yields; call it yourself only when you use this sampler with a plain DataLoader.
+        (The sampler cannot count for itself: DataLoader workers fetch indices ahead.)
+
+        Raises:
+            ValueError: ``num_samples`` is negative or goes past the end of this rank's part.
+        """
+        limit = self._segment_len(self.rank)
+        if num_samples < 0 or self._consumed + num_samples > limit:
+            raise ValueError(
+                f"rank {self.rank}: advance({num_samples}) after {self._consumed} consumed samples goes outside "
+                f"this rank's {limit} samples of epoch {self.epoch}; count each yielded sample once"
+            )
+        self._consumed += num_samples
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position: epoch, seed, consumed samples, and the resume chain.
+
+        The values are plain ints, bools and lists, so the state saves with
+        ``torch.save`` and loads with ``weights_only=True``.
+
+        Example:
+            >>> ckpt["sampler"] = sampler.state_dict()
+        """
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "pad": self.pad,
+            "dataset_len": len(self.dataset),
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+            "consumed": self._consumed,
+            "history": [[w, list(c)] for w, c in self._history],
+        }
+
+    @staticmethod
+    def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Combine the states of all ranks of one job into one state that any rank can load.
+
+        Needed only when ranks may have consumed different counts; otherwise any single
+        rank's state will do (see the module Note).
+
+        Args:
+            states: one :meth:`state_dict` per rank, in any order, e.g. from
+                ``comm.all_gather_object(sampler.state_dict())``.
+
+        Returns:
+            A state whose ``consumed`` is the list of per-rank counts and ``rank`` is None.
+
+        Raises:
+            ValueError: the states are not from one epoch of one job, or a rank is
+                missing or given twice.
+
+        Example:
+            >>> merged = DistributedSampler.merge_states(comm.all_gather_object(sampler.state_dict()))
+        """
+        if not states:
+            raise ValueError("merge_states needs the state of every rank, got an empty list")
+        for s in states:
+            _check_state_keys(s)
+        shared = ("epoch", "seed", "shuffle", "drop_last", "pad", "dataset_len", "num_replicas", "history")
+        first = states[0]
+        for s in states[1:]:
+            for key in shared:
+                if s[key] != first[key]:
+                    raise ValueError(
+                        f"merge_states: rank {s['rank']} has {key}={s[key]!r} but rank {first['rank']} has "
+                        f"{first[key]!r}; merge states saved at the same step of one job"
+                    )
+        world = first["num_replicas"]
+        ranks = sorted(s["rank"] for s in states)
+        if ranks != list(range(world)):
+            raise ValueError(
+                f"merge_states needs exactly one state for each of the {world} ranks, got ranks {ranks}"
+            )
+        merged = dict(first)
+        merged["rank"] = None
+        merged["consumed"] = [s["consumed"] for s in sorted(states, key=lambda s: s["rank"])]
+        return merged
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position: the next iteration yields the rest of that epoch.
+
+        ``state`` is this or another rank's :meth:`state_dict`, or the result of
+        :meth:`merge_states`. On the same number of ranks every rank continues exactly where
+        it stopped; on a different number the unseen rest of the epoch is shared out anew
+        (the rule is in the module Note). The state's epoch and seed replace this sampler's.
+        Only the next iteration is affected; calling :meth:`set_epoch` with another epoch
+        first discards the position.
+
+        Raises:
+            ValueError: the state is malformed, was saved for a dataset of another length or
+                with other ``shuffle``/``drop_last``/``pad``, or counts more consumed
+                samples than a rank has.
+
+        Example:
+            >>> sampler.load_state_dict(ckpt["sampler"])
+            >>> sampler.set_epoch(ckpt["sampler"]["epoch"])   # keeps the position
+        """
+        _check_state_keys(state)
+        n = len(self.dataset)
+        if state["dataset_len"] != n:
+            raise ValueError(
+                f"the sampler state was saved for a dataset of {state['dataset_len']} samples but this dataset "
+                f"has {n}; load it with the same dataset"
+            )
+        for key in ("shuffle", "drop_last", "pad"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"the sampler state was saved with {key}={state[key]} but this sampler has "
+                    f"{key}={getattr(self, key)}; build the sampler with {key}={state[key]} to resume"
+                )
+        world = state["num_replicas"]
+        history = [(int(w), [int(c) for c in counts]) for w, counts in state["history"]]
+        consumed = state["consumed"]
+        counts = [int(consumed)] * world if isinstance(consumed, int) else [int(c) for c in consumed]
+        if len(counts) != world:
+            raise ValueError(f"the sampler state has {len(counts)} consumed counts for {world} ranks")
+
+        self.epoch = int(state["epoch"])
+        self.seed = int(state["seed"])
+        for r, count in enumerate(counts):
+            limit = self._segment_len(r, history, world)
+            if not 0 <= count <= limit:
+                raise ValueError(
+                    f"the sampler state says rank {r} consumed {count} samples, but it has {limit} in "
+                    f"epoch {self.epoch}; the state does not belong to this dataset or settings"
+                )
+        if world == self.num_replicas:
+            self._history, self._consumed = history, counts[self.rank]
+        else:
+            self._history, self._consumed = history + [(world, counts)], 0
+        self._resume_pending = True
+        self._prepared = None
+        self._current = None
+
+
+def _arranged_size(n: int, world: int, drop_last: bool, pad: bool) -> int:
+    if not pad:
+        return n
+    return (n // world) * world if drop_last else math.ceil(n / world) * world
+
+
+def _check_state_keys(state: Any) -> None:
+    if not isinstance(state, dict):
+        raise ValueError(f"a sampler state is a dict from DistributedSampler.state_dict(), got {type(state).__name__}")
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(
+            f"the sampler state lacks {missing}; pass the dict from DistributedSampler.state_dict() "
+            f"(or DataLoader.state_dict()['sampler'])"
+        )
+    if state["version"] != _STATE_VERSION:
+        raise ValueError(f"sampler state version {state['version']} is not supported (this is version {_STATE_VERSION})")

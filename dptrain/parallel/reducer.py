@@ -1,0 +1,485 @@
+"""The gradient reducer behind :class:`dptrain.DistributedDataParallel`.
+
+Parameters that require a gradient are packed into flat *buckets*, in reverse registration
+order (the order backward usually produces their gradients). Each parameter carries one
+post-accumulate-grad hook; when every gradient of a bucket is ready, the bucket is filled
+(one ``cat`` and one scale) and an asynchronous all-reduce is launched, so communication
+overlaps the rest of backward. Buckets are launched strictly in order, the same on every
+rank. A callback queued on the autograd engine runs once backward is over: it waits for
+the buckets and writes the averaged gradients back into ``param.grad``.
+
+[Note: bitwise parity with PyTorch]
+PyTorch's C++ reducer scales each gradient by ``1 / world_size`` *before* the sum
+(``mul_out(bucket_view, grad, 1/div)``, or ``bucket_view.div_(div)`` when the gradient
+already is a bucket view), then all-reduces with SUM and copies the result out. We do the
+same operations with the same scalars, so on two ranks the results are bitwise equal; the
+bucket layout does not matter for an elementwise two-term sum. With three or more ranks
+gloo's ring order depends on the chunk an element falls in, so results agree to fp32
+rounding.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+__all__ = ["Reducer", "GradBucket", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES"]
+
+_MIB = 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1 * _MIB  # PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES
+DEFAULT_BUCKET_CAP_MB = 25
+
+
+def compute_bucket_assignment(
+    sizes: Sequence[int], keys: Sequence[Any], limits: Sequence[int], order: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Group tensor indices into buckets of at most about ``limits`` bytes each.
+
+    Tensors are visited in ``order`` (default: reverse index order, which approximates the
+    order backward produces gradients). Tensors with different ``keys`` (dtype, device)
+    never share a bucket. A bucket is closed as soon as its size reaches the current limit;
+    the limits advance one per closed bucket of that key and then stay at the last one
+    (PyTorch uses ``[1 MiB, bucket_cap]`` so the first, earliest bucket launches early).
+
+    Args:
+        sizes: bytes of each tensor.
+        keys: a hashable per tensor; only equal keys share a bucket.
+        limits: bucket byte limits, in the order buckets are closed.
+        order: visiting order of the indices. Default: ``reversed(range(len(sizes)))``.
+
+    Returns:
+        The buckets as lists of indices, in the order they were closed (launch order).
+
+    Example:
+        >>> compute_bucket_assignment([4, 4, 4], ["f"] * 3, [8])
+        [[2, 1], [0]]
+    """
+    if not limits or any(lim <= 0 for lim in limits):
+        raise ValueError(f"bucket limits must be positive byte counts, got {list(limits)}")
+    if order is None:
+        order = range(len(sizes) - 1, -1, -1)
+    open_buckets: dict[Any, list] = {}  # key -> [indices, bytes, limit position]
+    result: list[list[int]] = []
+    for i in order:
+        acc = open_buckets.setdefault(keys[i], [[], 0, 0])
+        acc[0].append(i)
+        acc[1] += sizes[i]
+        if acc[1] >= limits[acc[2]]:
+            result.append(acc[0])
+            acc[0], acc[1], acc[2] = [], 0, min(acc[2] + 1, len(limits) - 1)
+    result.extend(acc[0] for acc in open_buckets.values() if acc[0])
+    return result
+
+
+class GradBucket:
+    """What a communication hook receives: the methods of ``torch.distributed.GradBucket``.
+
+    ``buffer()`` is the flat tensor of the bucket's gradients (not divided by the world
+    size); ``gradients()`` are views of it shaped like ``parameters()``.
+    """
+
+    def __init__(self, index: int, buffer: torch.Tensor, views: list, params: list, is_last: bool) -> None:
+        self._index, self._buffer, self._views, self._params, self._is_last = index, buffer, views, params, is_last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._views)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+
+class _Bucket:
+    """One flat buffer and the parameters packed into it."""
+
+    __slots__ = ("index", "indices", "params", "buffer", "views", "view_ptrs", "numel")
+
+    def __init__(self, index: int, indices: list[int], params: list[torch.nn.Parameter]) -> None:
+        self.index = index
+        self.indices = indices
+        self.params = [params[i] for i in indices]
+        first = self.params[0]
+        self.numel = sum(p.numel() for p in self.params)
+        self.buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.view_ptrs = [v.data_ptr() for v in self.views]
+
+
+def _find_tensors(obj: Any, out: list) -> list:
+    """Every tensor inside ``obj`` (nested lists, tuples, dicts, dataclass-like objects)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _find_tensors(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _find_tensors(x, out)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            _find_tensors(getattr(obj, name), out)
+    return out
+
+
+def _reached_params(outputs: Any) -> set[int]:
+    """ids of the leaf tensors whose AccumulateGrad nodes backward from ``outputs`` can reach."""
+    reached: set[int] = set()
+    stack, seen = [], set()
+    for t in _find_tensors(outputs, []):
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            reached.add(id(t))
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            reached.add(id(var))
+        for nxt, _ in fn.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return reached
+
+
+class Reducer:
+    """Buckets, per-parameter hooks, async all-reduce and the write-back after backward.
+
+    Built by :class:`dptrain.DistributedDataParallel`; users do not construct it.
+
+    Args:
+        params: parameters that require grad, each once (shared ones deduplicated).
+        names: their qualified names, for error messages.
+        process_group: the group to reduce over.
+        bucket_cap_mb: bucket size in MiB; None means 25 with a 1 MiB first bucket.
+        gradient_as_bucket_view: leave ``.grad`` as views into the bucket buffers.
+        find_unused_parameters: walk the autograd graph each iteration and mark
+            parameters it cannot reach as ready.
+        static_graph: learn the used parameters and hook counts in the first iteration.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        process_group: Any,
+        bucket_cap_mb: float | None = None,
+        gradient_as_bucket_view: bool = False,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters and not static_graph
+        self.static_graph = static_graph
+        if bucket_cap_mb is None:
+            limits = [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * _MIB]
+        else:
+            if bucket_cap_mb <= 0:
+                raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}; the default is 25")
+            limits = [max(1, int(bucket_cap_mb * _MIB))]
+        self.bucket_limits = limits
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        keys = [(p.dtype, p.device) for p in self.params]
+        self.buckets = [_Bucket(b, idx, self.params) for b, idx in enumerate(compute_bucket_assignment(sizes, keys, limits))]
+        self._bucket_of = [0] * len(self.params)
+        for bucket in self.buckets:
+            for i in bucket.indices:
+                self._bucket_of[i] = bucket.index
+        self._bucket_count = [len(b.indices) for b in self.buckets]
+        self.comm_hook: Callable | None = None
+        self.comm_hook_state: Any = None
+        self.num_iterations = 0  # synced backward passes so far
+
+        # Per-iteration state, reset by prepare_for_backward().
+        self._expect_hooks = False
+        self._pending: list[int] = []
+        self._ready = bytearray(len(self.params))
+        self._next_bucket = 0
+        self._works: list[Any] = []
+        self._first_hook_seen = False
+        self._unused_now: list[int] = []
+        self._div: int | None = None
+        self._div_work: Any = None
+        self._error: str | None = None
+        # Locally used parameters since the last synced backward (find_unused / static graph).
+        self._local_used = bytearray(len(self.params))
+        self._global_unused: list[bool] | None = None
+        # static_graph: how many times each hook fires per backward, learnt in iteration 1.
+        self._static_counts: list[int] | None = None
+        self._static_remaining: list[int] = []
+
+        self_ref = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(_make_hook(self_ref, i)) for i, p in enumerate(self.params)]
+
+    def __del__(self) -> None:
+        for h in getattr(self, "_handles", ()):
+            h.remove()
+
+    # ------------------------------------------------------------------ forward side
+    def check_prior_reduction(self) -> None:
+        """Raise the error recorded by the previous backward (parameters that got no grad)."""
+        if self._error is not None:
+            msg, self._error = self._error, None
+            raise RuntimeError(msg)
+
+    def set_divisor_work(self, work: Any, use_static_world_size: bool) -> None:
+        """Join: the all-reduce counting the ranks that have not joined; used as divisor unless static."""
+        self._div_work = None if use_static_world_size else work
+
+    def prepare_for_backward(self, outputs: Any = None) -> None:
+        """Arm the hooks for the next backward; with find_unused, find unreachable parameters."""
+        self._expect_hooks = True
+        self._pending = list(self._bucket_count)
+        self._ready = bytearray(len(self.params))
+        self._next_bucket = 0
+        self._works = [None] * len(self.buckets)
+        self._first_hook_seen = False
+        self._div = None
+        if self.find_unused_parameters:
+            reached = _reached_params(outputs)
+            self._unused_now = [i for i, p in enumerate(self.params) if id(p) not in reached]
+        elif self.static_graph and self._static_counts is not None:
+            self._static_remaining = list(self._static_counts)
+            self._unused_now = [i for i, c in enumerate(self._static_counts) if c == 0]
+        else:
+            self._unused_now = []
+
+    @property
+    def _static_first_iteration(self) -> bool:
+        return self.static_graph and self._static_counts is None
+
+    @property
+    def _tracks_used(self) -> bool:
+        return self.find_unused_parameters or self._static_first_iteration
+
+    # ------------------------------------------------------------------ backward side
+    def _on_grad_ready(self, i: int) -> None:
+        if self._tracks_used and self.params[i].grad is not None:
+            self._local_used[i] = 1
+        if not self._expect_hooks:
+            return  # no_sync / eval forward: plain local accumulation
+        if not self._first_hook_seen:
+            self._first_hook_seen = True
+            Variable._execution_engine.queue_callback(self._finalize_backward)
+            if self._static_first_iteration:
+                self._hook_counts = [0] * len(self.params)
+            for j in self._unused_now:
+                self._mark_ready(j)
+        if self._static_first_iteration:
+            self._hook_counts[i] += 1  # reduction is delayed to the end of this backward
+            return
+        if self.static_graph:
+            self._static_remaining[i] -= 1
+            if self._static_remaining[i] > 0:
+                return
+        if self._ready[i]:
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {dist.get_rank()}: parameter '{self.names[i]}' received its "
+                "gradient twice in one backward (reentrant backward such as activation checkpointing, or a "
+                "module called twice with a reentrant graph). Pass static_graph=True if the graph is the "
+                "same every iteration."
+            )
+        self._mark_ready(i)
+
+    def _mark_ready(self, i: int) -> None:
+        self._ready[i] = 1
+        b = self._bucket_of[i]
+        self._pending[b] -= 1
+        if self._pending[b] == 0 and b == self._next_bucket:
+            while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
+                self._launch(self.buckets[self._next_bucket])
+                self._next_bucket += 1
+
+    def _divisor(self) -> int:
+        if self._div is None:
+            self._div = self.world_size
+            if self._div_work is not None:
+                self._div_work.wait()
+                self._div = int(self._div_work.result()[0].item())
+                self._div_work = None
+        return self._div
+
+    def _fill(self, bucket: _Bucket, divide: bool) -> None:
+        """Copy the bucket's gradients into its buffer, divided by the world size when ``divide``."""
+        grads = [p.grad for p in bucket.params]
+        as_view = self.gradient_as_bucket_view
+        aliased = [g is not None and as_view and g.data_ptr() == ptr for g, ptr in zip(grads, bucket.view_ptrs)]
+        if any(g is None for g in grads) or (any(aliased) and not all(aliased)):
+            # Rare mixed case (unused parameters, grads reset to None): one parameter at a time.
+            div = self._divisor() if divide else 1
+            for p, g, view, alias in zip(bucket.params, grads, bucket.views, aliased):
+                if g is None:
+                    view.zero_()
+                elif alias:
+                    if divide:
+                        view.div_(div)
+                else:
+                    if divide:
+                        torch.mul(g, 1.0 / div, out=view)
+                    else:
+                        view.copy_(g)
+                    if as_view:
+                        p.grad = view
+            return
+        if all(aliased):
+            if divide:
+                bucket.buffer.div_(self._divisor())  # what PyTorch does to a gradient that is a bucket view
+            return
+        torch.cat([g.reshape(-1) for g in grads], out=bucket.buffer)
+        if divide:
+            bucket.buffer.mul_(1.0 / self._divisor())
+        if as_view:
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.comm_hook is None:
+            self._fill(bucket, divide=True)
+            self._works[bucket.index] = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        else:
+            self._fill(bucket, divide=False)
+            self._works[bucket.index] = self._run_hook(bucket, bucket.buffer)
+
+    def _run_hook(self, bucket: _Bucket, buffer: torch.Tensor) -> Any:
+        grad_bucket = GradBucket(bucket.index, buffer, bucket.views, bucket.params, bucket.index == len(self.buckets) - 1)
+        if buffer is not bucket.buffer:
+            offs, views = 0, []
+            for p in bucket.params:
+                views.append(buffer[offs : offs + p.numel()].view(p.shape))
+                offs += p.numel()
+            grad_bucket._views = views
+        fut = self.comm_hook(self.comm_hook_state, grad_bucket)
+        if not isinstance(fut, torch.futures.Future):
+            raise TypeError(
+                f"communication hook {getattr(self.comm_hook, '__qualname__', self.comm_hook)} returned "
+                f"{type(fut).__name__}; it must return a torch.futures.Future holding the bucket's tensor"
+            )
+        return fut
+
+    def _finalize_backward(self) -> None:
+        """Runs once per synced backward, after autograd finished: wait, then write back."""
+        self._expect_hooks = False
+        self.num_iterations += 1
+        track_used = self._tracks_used
+        if self._static_first_iteration:
+            # First static-graph iteration: everything reduced now, unused params included.
+            self._static_counts = list(self._hook_counts)
+            for i in range(len(self.params)):
+                self._mark_ready(i)
+        write_back = True
+        if self._next_bucket < len(self.buckets):
+            missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
+            self._error = (
+                f"DistributedDataParallel on rank {dist.get_rank()}: the previous backward produced no gradient "
+                f"for {len(missing)} parameter(s): {', '.join(repr(n) for n in missing[:20])}"
+                f"{' ...' if len(missing) > 20 else ''}. These parameters were not used to compute the loss, so "
+                "their gradients could not be reduced. Fix: pass find_unused_parameters=True to "
+                "DistributedDataParallel(...), or make sure every parameter takes part in the loss "
+                "(or set requires_grad=False on the ones you do not train)."
+            )
+            # Launch the rest anyway (zeros for the missing) so that ranks stay matched and none hangs;
+            # gradients stay local, as PyTorch leaves them, and the error is raised at the next forward.
+            write_back = False
+            for i in range(len(self.params)):
+                if not self._ready[i]:
+                    self._mark_ready(i)
+        used_work = used = None
+        if track_used:
+            device = self.params[0].device
+            used = torch.tensor(list(self._local_used), dtype=torch.int32, device=device)
+            used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
+        results = [self._wait(bucket, work) for bucket, work in zip(self.buckets, self._works)]
+        if used_work is not None:
+            used_work.wait()
+            self._global_unused = [u == 0 for u in used.tolist()]
+            self._local_used = bytearray(len(self.params))
+        elif not self.static_graph:
+            self._global_unused = None
+        if write_back:
+            for bucket, result in zip(self.buckets, results):
+                self._write_back(bucket, result)
+
+    def _wait(self, bucket: _Bucket, work: Any) -> torch.Tensor:
+        if self.comm_hook is None:
+            work.wait()
+            return bucket.buffer
+        value = work.wait()
+        if isinstance(value, (list, tuple)):
+            value = value[0]
+        if not isinstance(value, torch.Tensor) or value.numel() != bucket.numel:
+            raise TypeError(
+                f"communication hook returned a future holding {type(value).__name__}"
+                f"{' of ' + str(value.numel()) + ' elements' if isinstance(value, torch.Tensor) else ''}; "
+                f"bucket {bucket.index} needs a tensor of {bucket.numel} elements"
+            )
+        if value.data_ptr() != bucket.buffer.data_ptr():
+            bucket.buffer.copy_(value.reshape(-1))
+        return bucket.buffer
+
+    def _write_back(self, bucket: _Bucket, result: torch.Tensor) -> None:
+        unused = self._global_unused
+        copy_to, copy_from = [], []
+        for i, p, view in zip(bucket.indices, bucket.params, bucket.views):
+            if unused is not None and unused[i]:
+                continue  # unused on every rank: leave .grad as it was (None stays None)
+            g = p.grad
+            if self.gradient_as_bucket_view:
+                if g is None or g.data_ptr() != view.data_ptr():
+                    p.grad = view
+            elif g is None:
+                p.grad = view.clone() if p.is_contiguous() else torch.empty_like(p).copy_(view)
+            else:
+                copy_to.append(g)
+                copy_from.append(view)
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
+
+    # ------------------------------------------------------------------ join
+    def shadow_backward(self) -> None:
+        """For a rank that has joined: run the collectives of one synced backward with zeros."""
+        works = []
+        for bucket in self.buckets:
+            zeros = torch.zeros_like(bucket.buffer)
+            if self.comm_hook is None:
+                works.append(dist.all_reduce(zeros, group=self.process_group, async_op=True))
+            else:
+                works.append(self._run_hook(bucket, zeros))
+        for w in works:
+            w.wait()
+        if self._tracks_used:
+            used = torch.zeros(len(self.params), dtype=torch.int32, device=self.params[0].device)
+            dist.all_reduce(used, group=self.process_group)
+
+
+def _make_hook(reducer_ref: "weakref.ref[Reducer]", index: int) -> Callable[[torch.Tensor], None]:
+    # A weak reference: the hooks live on the parameters, which may outlive the DDP wrapper.
+    def hook(_param: torch.Tensor) -> None:
+        reducer = reducer_ref()
+        if reducer is not None:
+            reducer._on_grad_ready(index)
+
+    return hook

@@ -1,0 +1,221 @@
+"""The launchers: `dptrain run` (env parity with torchrun, failure handling, restarts) and spawn()."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dptrain
+from dptrain.launch import LaunchConfig, RankFailedError
+from tests._dist import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+
+
+def dptrain_run(*args, timeout=60, env=None, **kw):
+    full_env = dict(os.environ, **(env or {}))
+    full_env.pop("OMP_NUM_THREADS", None) if env is None or "OMP_NUM_THREADS" not in env else None
+    return subprocess.run([sys.executable, "-m", "dptrain", "run", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=full_env, **kw)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _envs(stdout: str, prefix: str = "ENV ") -> dict[int, dict]:
+    rows = [json.loads(line.split(prefix, 1)[1]) for line in stdout.splitlines() if prefix in line]
+    return {int(r["RANK"]): r for r in rows}
+
+
+def test_dptrain_run_gives_each_rank_torchruns_environment():
+    ours = dptrain_run("--nproc-per-node", "3", os.path.join(SCRIPTS, "dump_env.py"))
+    assert ours.returncode == 0, ours.stderr
+    theirs = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+         os.path.join(SCRIPTS, "dump_env.py")],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
+    )
+    assert theirs.returncode == 0, theirs.stderr
+    a, b = _envs(ours.stdout), _envs(theirs.stdout)
+    assert sorted(a) == sorted(b) == [0, 1, 2]
+    varying = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+    for r in range(3):
+        assert set(a[r]) == set(b[r])
+        assert {k: v for k, v in a[r].items() if k not in varying} == {k: v for k, v in b[r].items() if k not in varying}
+        assert a[r]["MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_every_line_is_prefixed_with_its_rank_and_log_ranks_filters():
+    out = dptrain_run("--nproc_per_node", "2", "--log-ranks", "1", "-m", "tests.scripts.hello_module", "a", "--b")
+    assert out.returncode == 0, out.stderr
+    assert "[rank1] module rank 1 args ['a', '--b']" in out.stdout
+    assert "rank 0" not in out.stdout
+
+
+def test_omp_num_threads_defaults_to_cores_per_rank_with_a_notice():
+    out = dptrain_run("--nproc-per-node", "2", os.path.join(SCRIPTS, "dump_env.py"))
+    cores = len(os.sched_getaffinity(0))
+    assert f"OMP_NUM_THREADS={max(1, cores // 2)} for each of 2 ranks" in out.stderr
+    assert all(e["OMP_NUM_THREADS"] == str(max(1, cores // 2)) for e in _envs(out.stdout).values())
+    kept = dptrain_run("--nproc-per-node", "2", os.path.join(SCRIPTS, "dump_env.py"), env={"OMP_NUM_THREADS": "7"})
+    assert all(e["OMP_NUM_THREADS"] == "7" for e in _envs(kept.stdout).values())
+    assert "OMP_NUM_THREADS=" not in kept.stderr
+
+
+def test_single_node_rendezvous_listens_on_loopback_only():
+    out = dptrain_run("--nproc-per-node", "2", os.path.join(SCRIPTS, "listen_addr.py"))
+    assert out.returncode == 0, out.stderr
+    assert "[rank0] LISTEN 127.0.0.1" in out.stdout
+
+
+def test_a_failing_rank_stops_the_job_in_seconds_and_is_named():
+    t0 = time.monotonic()
+    out = dptrain_run("--nproc-per-node", "3", os.path.join(SCRIPTS, "fail_one_rank.py"), "sleep")
+    elapsed = time.monotonic() - t0
+    assert out.returncode == 1
+    assert "dptrain run: rank 1 (local rank 1" in out.stderr and "exited with code 1" in out.stderr
+    assert "--- last lines of rank 1 ---" in out.stderr and "rank one is broken on purpose" in out.stderr
+    pids = [int(line.rsplit("pid ", 1)[1]) for line in out.stdout.splitlines() if "started" in line]
+    assert len(pids) == 3 and not any(_alive(p) for p in pids)
+    # Rank 0 and 2 would have slept 600 s: they were stopped (TERM, then KILL).
+    assert elapsed < 30, elapsed
+
+
+def test_ctrl_c_stops_every_rank():
+    proc = subprocess.Popen([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2",
+                             os.path.join(SCRIPTS, "sleepy.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    pids = []
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "sleeping" in line:
+            pids.append(int(line.rsplit("pid ", 1)[1]))
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "SIGINT received; stopping all ranks" in err
+    assert not any(_alive(p) for p in pids)
+
+
+def test_stall_report_names_the_rank_without_progress():
+    proc = subprocess.Popen([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2",
+                             os.path.join(SCRIPTS, "sleepy.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=dict(os.environ, DPTRAIN_STALL_REPORT_S="1", DPTRAIN_HEARTBEAT_S="0.2"))
+    deadline = time.monotonic() + 60
+    seen = ""
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        seen += line
+        if "has made no progress" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert "has made no progress for" in seen and "outside any collective after #0, 0 steps" in seen
+
+
+def test_max_restarts_restarts_the_whole_job():
+    out = dptrain_run("--nproc-per-node", "2", "--max-restarts", "2", os.path.join(SCRIPTS, "flaky.py"), "1")
+    assert out.returncode == 0, out.stderr
+    assert "rank 1 (local rank 1" in out.stderr and "exited with code 3" in out.stderr
+    assert "restarting all ranks (restart 1 of 2)" in out.stderr
+    assert "[rank0] attempt 1 sum 2.0" in out.stdout and "[rank1] attempt 1 sum 2.0" in out.stdout
+    gave_up = dptrain_run("--nproc-per-node", "2", os.path.join(SCRIPTS, "flaky.py"), "0")
+    assert gave_up.returncode == 3 and "restarting" not in gave_up.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nproc-per-node", "0", "x.py"], "must be >= 1, got 0"),
+        (["--nproc-per-node", "2", "--bogus", "x.py"], "unrecognized arguments: --bogus"),
+        (["missing_script.py"], "script 'missing_script.py' not found"),
+        (["--nnodes", "2", "tests/scripts/dump_env.py"], "needs an explicit rendezvous address"),
+        (["--node-rank", "3", "tests/scripts/dump_env.py"], "--node-rank 3 is outside 0..0"),
+        (["--log-ranks", "5", "tests/scripts/dump_env.py"], "--log-ranks [5] outside the 1 ranks"),
+    ],
+)
+def test_bad_input_gets_a_one_line_error(args, message):
+    out = dptrain_run(*args)
+    assert out.returncode == 2
+    assert message in out.stderr
+
+
+def test_port_in_use_is_reported():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        out = dptrain_run("--master-port", str(port), os.path.join(SCRIPTS, "dump_env.py"))
+    assert out.returncode == 2
+    assert f"port {port} on 127.0.0.1 is not available" in out.stderr and "--master-port" in out.stderr
+
+
+def test_launch_config_validates():
+    with pytest.raises(ValueError, match="--max-restarts must be >= 0"):
+        LaunchConfig(program=os.path.join(SCRIPTS, "dump_env.py"), max_restarts=-1)
+
+
+def _rank_square(rank, offset):
+    return rank * rank + offset, dptrain.world_size()
+
+
+def test_spawn_returns_values_in_rank_order():
+    assert run_ranks(_rank_square, 3, 10) == [(10, 3), (11, 3), (14, 3)]
+
+
+def _raise_on_two(rank):
+    if rank == 2:
+        raise KeyError("missing thing")
+    time.sleep(60)  # must be stopped by spawn, not waited for
+
+
+def test_spawn_reraises_a_rank_error_naming_the_rank_and_stops_the_others():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_raise_on_two, 3)
+    assert time.monotonic() - t0 < 20
+    assert info.value.rank == 2
+    assert "rank 2 of 3 failed: KeyError: 'missing thing'" in str(info.value)
+    assert "in _raise_on_two" in info.value.traceback_text
+
+
+def _hang(rank):
+    time.sleep(60)
+
+
+def test_spawn_timeout_kills_and_names_ranks():
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0, 1\] of 2 still running after the 2s timeout"):
+        run_ranks(_hang, 2, timeout=2)
+
+
+def _die_hard(rank):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def test_spawn_reports_a_rank_killed_by_a_signal():
+    with pytest.raises(RankFailedError, match="rank 1 of 2 was killed by SIGKILL"):
+        run_ranks(_die_hard, 2)
+
+
+def test_spawn_rejects_bad_nprocs():
+    with pytest.raises(ValueError, match="nprocs >= 1"):
+        dptrain.spawn(_rank_square, 0)
