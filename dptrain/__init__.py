@@ -24,6 +24,10 @@ from dptrain.env import (
     world_size,
 )
 from dptrain.launch import RankFailedError, spawn
+from dptrain.parallel.ddp import DDP, DistributedDataParallel
+from dptrain import checkpoint
+from dptrain.seeding import seed_everything
+from dptrain.trainer import Trainer, TrainerConfig
 
 __version__ = "0.1.0"
 
@@ -41,4 +45,10 @@ __all__ = [
     "spawn",
     "world_size",
     "RankFailedError",
+    "DistributedDataParallel",
+    "DDP",
+    "checkpoint",
+    "seed_everything",
+    "Trainer",
+    "TrainerConfig",
 ]

@@ -14,6 +14,13 @@ from typing import Sequence
 __all__ = ["main", "build_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line that says where help is."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
     """Add ``--a-b`` together with its ``--a_b`` spelling."""
     spellings = [name]
@@ -48,8 +55,8 @@ def _ranks(value: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dptrain", description="Data-parallel training for PyTorch.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = _Parser(prog="dptrain", description="Data-parallel training for PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
     run = sub.add_parser(

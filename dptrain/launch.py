@@ -121,6 +121,34 @@ def _loopback_ifname() -> str | None:
     return None
 
 
+def _iface_towards(addr: str) -> str | None:
+    """The network interface this host would use to reach ``addr`` (Linux), or None.
+
+    Gloo picks its interface from the host name, which on many machines resolves to
+    127.0.0.1; across nodes that address is useless to the peers. The interface that routes
+    to the master is the one every rank of this node can be reached on.
+    """
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((addr, 9))  # UDP connect sends nothing; it only picks the route
+            local_ip = probe.getsockname()[0]
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for name in names:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == local_ip:
+            return name
+    return None
+
+
 def rank_environ(
     *,
     rank: int,
@@ -543,8 +571,10 @@ class _Job:
             env["DPTRAIN_TIMEOUT"] = str(config.timeout)
         if config.debug:
             env["DPTRAIN_DEBUG"] = "1"
-        if config.nnodes == 1 and "GLOO_SOCKET_IFNAME" not in env and _loopback_ifname():
-            env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+        if "GLOO_SOCKET_IFNAME" not in env:
+            iface = _loopback_ifname() if config.nnodes == 1 else _iface_towards(self.host)
+            if iface:
+                env["GLOO_SOCKET_IFNAME"] = iface
         env["PYTHONUNBUFFERED"] = "1"
         return env
 

@@ -616,7 +616,6 @@ class Trainer:
                 metrics.update({str(k): float(v) for k, v in extra.items()})
             else:
                 metrics["metric"] = float(extra)
-        metrics["num_samples"] = int(all_out.shape[0])
         return metrics
 
     @staticmethod
@@ -670,21 +669,22 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume (collective: every rank must call it; complete on rank 0)."""
-        rng = comm.all_gather_object(get_rng_state())
+        # What differs between ranks: RNG streams and the running loss of the epoch.
+        per_rank = comm.all_gather_object(
+            {"rng": get_rng_state(), "loss_sum": self._loss_sum.detach().cpu(), "sample_count": self._sample_count}
+        )
         state: dict[str, Any] = {
             "format": _CKPT_FORMAT,
             "model": self._model_state(rank0_only=True),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "rng": rng,
+            "per_rank": per_rank,
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "global_step": self.global_step,
             "world_size": self.world.world_size,
             "strategy": self.strategy,
             "trainer": {
-                "loss_sum": self._loss_sum.detach().cpu(),
-                "sample_count": self._sample_count,
                 "history": copy.deepcopy(self.history),
                 "best_metric": self.best_metric,
                 "best_epoch": self.best_epoch,
@@ -770,14 +770,21 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
-        rngs = state["rng"]
-        if self.rank < len(rngs):
-            self._pending_rng = rngs[self.rank]
+        per_rank = state["per_rank"]
+        mine = per_rank[self.rank] if self.rank < len(per_rank) else None
+        self._pending_rng = mine["rng"] if mine is not None else None
+        if mine is not None and len(per_rank) == self.world.world_size:
+            self._loss_sum = mine["loss_sum"].to(device=self.device, dtype=torch.float64).clone()
+            self._sample_count = int(mine["sample_count"])
         else:
-            self._pending_rng = None
-        if len(rngs) != self.world.world_size:
+            # Another world size: the partial epoch's loss is re-spread so the sum over ranks is kept.
+            total = sum(float(p["loss_sum"]) for p in per_rank)
+            count = sum(int(p["sample_count"]) for p in per_rank)
+            self._loss_sum = torch.tensor(total if self.rank == 0 else 0.0, dtype=torch.float64, device=self.device)
+            self._sample_count = count if self.rank == 0 else 0
+        if len(per_rank) != self.world.world_size:
             _warn_once_main(
-                f"{path!r} was written by {len(rngs)} ranks and is resumed on {self.world.world_size}: weights and optimizer "
+                f"{path!r} was written by {len(per_rank)} ranks and is resumed on {self.world.world_size}: weights and optimizer "
                 f"are restored, but the run will not replay the original one bit for bit (RNG streams and data shards differ)"
             )
         self.epoch = int(state["epoch"])
@@ -785,8 +792,6 @@ class Trainer:
         self.global_step = int(state["global_step"])
         self._pending_loader_state = state.get("train_loader")
         tr = state["trainer"]
-        self._loss_sum = tr["loss_sum"].to(device=self.device, dtype=torch.float64).clone()
-        self._sample_count = int(tr["sample_count"])
         self.history = list(tr["history"])
         self.best_metric = tr["best_metric"]
         self.best_epoch = tr["best_epoch"]

@@ -1,0 +1,299 @@
+"""DistributedDataParallel against PyTorch's DDP and against single-process training.
+
+Every rank function builds our DDP and PyTorch's on identical copies of one model and
+trains both on the same per-rank data, one after the other in the same process.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import dptrain
+from tests._dist import run_ranks
+from tests.parallel._ddp_models import MODELS, build_pair, make_batch, make_optimizer, snapshot, train_step
+
+STEPS = 3
+
+# (model, optimizer, DDP kwargs): every model with momentum SGD and default buckets, with
+# Adam and tiny buckets (one parameter per bucket), and with gradient_as_bucket_view.
+_KW = {"unused": {"find_unused_parameters": True}}
+PARITY_CONFIGS = [
+    (m, opt, {**_KW.get(m, {}), **extra})
+    for m in MODELS
+    for opt, extra in (
+        ("sgd", {}),
+        ("adam", {"bucket_cap_mb": 0.001}),
+        ("sgd", {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0002}),
+    )
+]
+
+
+def _parity(rank, configs, steps):
+    results = []
+    for model, opt_name, kw in configs:
+        ours, theirs = build_pair(model, rank, kw)
+        opt_o = make_optimizer(opt_name, ours.parameters())
+        opt_t = make_optimizer(opt_name, theirs.parameters())
+        for step in range(steps):
+            x, y = make_batch(model, rank, step)
+            train_step(ours, opt_o, x, y)
+            train_step(theirs, opt_t, x, y)
+        results.append((snapshot(ours), snapshot(theirs)))
+    return results
+
+
+def _assert_same(ours: dict, theirs: dict, exact: bool, label: str) -> None:
+    assert ours.keys() == theirs.keys(), label
+    for k in ours:
+        a, b = ours[k], theirs[k]
+        if a is None or b is None:
+            assert a is None and b is None, f"{label}: {k} is {a} vs {b}"
+            continue
+        if exact:
+            assert torch.equal(a, b), f"{label}: {k} differs by {(a.float() - b.float()).abs().max()}"
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{label}: {k}")
+
+
+def test_parity_bitwise_two_ranks():
+    results = run_ranks(_parity, 2, PARITY_CONFIGS, STEPS)
+    for rank_results in results:
+        for cfg, (ours, theirs) in zip(PARITY_CONFIGS, rank_results):
+            _assert_same(ours, theirs, exact=True, label=str(cfg))
+    # Ranks agree with each other too (the broadcast at construction + averaged grads);
+    # BatchNorm statistics are not compared: the last forward updated them locally.
+    for (o0, _), (o1, _) in zip(results[0], results[1]):
+        for k in o0:
+            if "running_" in k or "num_batches" in k:
+                continue
+            assert (o0[k] is None and o1[k] is None) or torch.equal(o0[k], o1[k]), k
+
+
+@pytest.mark.parametrize("nprocs", [3, 4])
+def test_parity_close_more_ranks(nprocs):
+    configs = [
+        # Adam is not used on the ConvNet: its conv bias (cancelled by BatchNorm) has
+        # gradients of pure rounding noise, which Adam's normalisation blows up to lr-sized steps.
+        ("mlp", "sgd", {}),
+        ("convbn", "sgd", {"bucket_cap_mb": 0.001}),
+        ("lstm", "adam", {"gradient_as_bucket_view": True}),
+        ("unused", "adam", {"find_unused_parameters": True}),
+        ("tied", "sgd", {}),
+    ]
+    results = run_ranks(_parity, nprocs, configs, 2)
+    for cfg, (ours, theirs) in zip(configs, results[0]):
+        _assert_same(ours, theirs, exact=False, label=str(cfg))
+
+
+def _global_batch(rank):
+    """DDP grads vs one process on the concatenated global batch (mean loss, equal shards)."""
+    import torch.distributed as dist
+
+    ws = dist.get_world_size()
+    out = []
+    for model in ("mlp", "convbn", "lstm"):
+        torch.manual_seed(3)
+        base = MODELS[model]()
+        ref = copy.deepcopy(base)
+        ddp = dptrain.DDP(base, broadcast_buffers=True)
+        x, y = make_batch(model, rank, 0)
+        F.cross_entropy(ddp(x), y).backward()
+        xs, ys = zip(*(make_batch(model, r, 0) for r in range(ws)))
+        if model == "convbn":
+            # BatchNorm statistics are per rank; compare against per-shard forwards.
+            loss = sum(F.cross_entropy(ref(a), b) for a, b in zip(xs, ys)) / ws
+        else:
+            loss = F.cross_entropy(ref(torch.cat(xs)), torch.cat(ys))
+        loss.backward()
+        out.append(([p.grad for p in ddp.module.parameters()], [p.grad for p in ref.parameters()]))
+    return out
+
+
+def test_grads_equal_single_process_global_batch():
+    for rank_out in run_ranks(_global_batch, 2):
+        for ours, ref in rank_out:
+            for a, b in zip(ours, ref):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _no_sync(rank, micro):
+    import torch.distributed as dist
+
+    ws = dist.get_world_size()
+    ours, theirs = build_pair("mlp", rank, {})
+    ref = copy.deepcopy(ours.module)
+    for model in (ours, theirs):
+        with model.no_sync():
+            for m in range(micro - 1):
+                x, y = make_batch("mlp", rank, m)
+                F.cross_entropy(model(x), y).backward()
+        x, y = make_batch("mlp", rank, micro - 1)
+        F.cross_entropy(model(x), y).backward()
+    # Reference: the sum of every rank's micro-batch gradients, averaged over ranks.
+    for r in range(ws):
+        for m in range(micro):
+            x, y = make_batch("mlp", r, m)
+            (F.cross_entropy(ref(x), y) / ws).backward()
+    grads = lambda mod: [p.grad.clone() for p in mod.parameters()]  # noqa: E731
+    return grads(ours.module), grads(theirs.module), grads(ref)
+
+
+def test_no_sync_accumulation_equals_large_batch():
+    for ours, theirs, ref in run_ranks(_no_sync, 2, 3):
+        for a, b, c in zip(ours, theirs, ref):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def _join(rank, divide_by_initial_world_size):
+    num_batches = 3 if rank == 0 else 5
+    ours, theirs = build_pair("convbn", rank, {})
+    out = []
+    for model in (ours, theirs):
+        opt = make_optimizer("sgd", model.parameters())
+        with model.join(divide_by_initial_world_size=divide_by_initial_world_size):
+            for step in range(num_batches):
+                x, y = make_batch("convbn", rank, step)
+                train_step(model, opt, x, y)
+        out.append({k: v.clone() for k, v in model.module.state_dict().items()})
+    return out
+
+
+@pytest.mark.parametrize("divide", [True, False])
+def test_join_uneven_inputs_matches_torch(divide):
+    results = run_ranks(_join, 2, divide)
+    for ours, theirs in results:
+        _assert_same(ours, theirs, exact=True, label=f"join divide={divide}")
+    # The model ends identical on both ranks (copied from the last joiner).
+    _assert_same(results[0][0], results[1][0], exact=True, label="ranks agree")
+
+
+def _static_graph(rank):
+    out = []
+    for model, kw in (("mlp", {"static_graph": True}), ("unused", {"static_graph": True})):
+        ours, theirs = build_pair(model, rank, kw)
+        opt_o, opt_t = make_optimizer("sgd", ours.parameters()), make_optimizer("sgd", theirs.parameters())
+        for step in range(3):
+            # The static-graph contract: the same parameters are used every step.
+            x, y = make_batch(model, 0, step)
+            x = x.abs()
+            train_step(ours, opt_o, x, y)
+            train_step(theirs, opt_t, x, y)
+        out.append((snapshot(ours), snapshot(theirs)))
+    return out
+
+
+def test_static_graph_matches_torch():
+    for rank_out in run_ranks(_static_graph, 2):
+        for ours, theirs in rank_out:
+            _assert_same(ours, theirs, exact=True, label="static_graph")
+        # 'never' stays without a gradient, as with PyTorch.
+        assert rank_out[1][0]["grad:never.weight"] is None
+
+
+def _unused_grads(rank):
+    ours, theirs = build_pair("unused", rank, {"find_unused_parameters": True})
+    res = []
+    for model in (ours, theirs):
+        x, y = make_batch("unused", rank, 0)
+        x[0, 0] = 1.0 if rank == 0 else -1.0  # 'sometimes' used on rank 0 only
+        F.cross_entropy(model(x), y).backward()
+        res.append(snapshot(model))
+    return res
+
+
+def test_find_unused_globally_and_locally_unused():
+    results = run_ranks(_unused_grads, 2)
+    for ours, theirs in results:
+        _assert_same(ours, theirs, exact=True, label="unused")
+        assert ours["grad:never.weight"] is None  # unused everywhere: untouched
+        assert ours["grad:sometimes.weight"] is not None  # used on rank 0: averaged everywhere
+    assert torch.equal(results[0][0]["grad:sometimes.weight"], results[1][0]["grad:sometimes.weight"])
+
+
+def _mismatch(rank, kind):
+    import torch.distributed as dist
+
+    if kind == "shape":
+        model = nn.Sequential(nn.Linear(4, 8 if rank != 1 else 9), nn.Linear(8 if rank != 1 else 9, 2))
+    elif kind == "count":
+        layers = [nn.Linear(4, 4) for _ in range(3 if rank == dist.get_world_size() - 1 else 2)]
+        model = nn.Sequential(*layers)
+    else:
+        model = nn.Linear(4, 4).to(torch.float64 if rank == 2 else torch.float32)
+    try:
+        dptrain.DDP(model)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(
+    "kind,nprocs,expect",
+    [
+        ("shape", 2, ["rank 1", "'0.weight'", "(9, 4)", "(8, 4)"]),
+        ("count", 3, ["rank 2", "'2.weight'"]),
+        ("dtype", 3, ["rank 2", "'weight'", "torch.float64"]),
+    ],
+)
+def test_mismatched_models_fail_on_every_rank(kind, nprocs, expect):
+    messages = run_ranks(_mismatch, nprocs, kind, timeout=30)
+    for rank, msg in enumerate(messages):
+        assert msg is not None, f"rank {rank} did not raise"
+        assert f"on rank {rank}" in msg
+        for piece in expect:
+            assert piece in msg, (piece, msg)
+
+
+def _unused_without_flag(rank):
+    torch.manual_seed(0)
+    ddp = dptrain.DDP(MODELS["unused"]())
+    x, y = make_batch("unused", rank, 1)
+    F.cross_entropy(ddp(x), y).backward()
+    try:
+        ddp(x)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_unused_parameter_without_flag_raises_on_every_rank():
+    for rank, msg in enumerate(run_ranks(_unused_without_flag, 2, timeout=30)):
+        assert msg is not None
+        assert f"rank {rank}" in msg and "'never.weight'" in msg and "'never.bias'" in msg
+        assert "find_unused_parameters=True" in msg
+
+
+def _single_process():
+    """World of one (no process group): DDP is a transparent wrapper."""
+    torch.manual_seed(0)
+    model = MODELS["mlp"]()
+    ref = copy.deepcopy(model)
+    ddp = dptrain.DDP(model)
+    x, y = make_batch("mlp", 0, 0)
+    F.cross_entropy(ddp(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    return ddp, ref
+
+
+def test_world_of_one_and_state_dict_prefix():
+    ddp, ref = _single_process()
+    for a, b in zip(ddp.module.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert ddp.module is not ref and isinstance(ddp.module, nn.Sequential)
+    keys = list(ddp.state_dict())
+    assert keys == ["module." + k for k in ref.state_dict()]
+    with ddp.no_sync(), ddp.join():
+        ddp(torch.randn(2, 6))
+
+
+def test_constructor_validates_arguments():
+    with pytest.raises(ValueError, match="requires grad"):
+        dptrain.DDP(nn.Linear(2, 2).requires_grad_(False))
+    with pytest.raises(ValueError, match="device_ids"):
+        dptrain.DDP(nn.Linear(2, 2), device_ids=[0])

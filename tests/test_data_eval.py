@@ -1,0 +1,161 @@
+"""Multi-rank tests of dptrain.data: exact evaluation, resume across world sizes, main_process_first."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+from sklearn.metrics import roc_auc_score
+
+import dptrain
+from dptrain import comm
+from dptrain.data import DistributedSampler, gather_results, main_process_first, prepare_dataloader
+from tests._dist import run_ranks
+
+
+class Scored(tud.Dataset):
+    """Deterministic features and binary labels; the same on every rank."""
+
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(n)
+        self.x = torch.randn(n, 3, generator=g)
+        self.y = (torch.rand(n, generator=g) < 0.4).long()
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def _model(x):
+    # Elementwise on each row's own features, so a row's output does not depend on which
+    # other rows share its batch: the comparison below tests the data path, not BLAS.
+    score = torch.sigmoid(2.0 * x[:, 0] - x[:, 1] * x[:, 1] + 0.5 * x[:, 2])
+    return score, (x[:, 0] > x[:, 2]).long()
+
+
+def _eval_rank(rank, n, batch_size, dst):
+    loader = prepare_dataloader(Scored(n), batch_size, mode="eval")
+    scores, classes = [], []
+    for x, _ in loader:
+        s, c = _model(x)
+        scores.append(s)
+        classes.append(c)
+    idx = loader.sampler.indices()
+    return (
+        len(idx),
+        gather_results(scores, idx, dst=dst, num_samples=n),
+        gather_results(classes, idx, dst=dst, num_samples=n),
+    )
+
+
+@pytest.mark.parametrize("world, n, batch_size, dst", [(2, 11, 3, None), (3, 10, 4, None), (4, 13, 2, 0), (4, 3, 2, None)])
+def test_exact_eval_equals_single_process(world, n, batch_size, dst):
+    results = run_ranks(_eval_rank, world, n, batch_size, dst)
+    ds = Scored(n)
+    ref_scores, ref_classes = _model(ds.x)
+    shard_lens = [r[0] for r in results]
+    assert sum(shard_lens) == n and max(shard_lens) - min(shard_lens) <= 1  # uneven, nothing repeated
+    for rank, (_, scores, classes) in enumerate(results):
+        if dst is not None and rank != dst:
+            assert scores is None and classes is None
+            continue
+        assert torch.equal(scores, ref_scores) and torch.equal(classes, ref_classes)
+        labels = ds.y.numpy()
+        acc = (classes == ds.y).double().mean().item()
+        assert acc == (ref_classes == ds.y).double().mean().item()
+        if 0 < labels.sum() < len(labels):
+            assert roc_auc_score(labels, scores.numpy()) == roc_auc_score(labels, ref_scores.numpy())
+
+
+def _padded_eval_rank(rank, n):
+    # the training partition (pad=True) repeats samples; gather_results keeps each once
+    sampler = DistributedSampler(Scored(n), shuffle=True, seed=3)
+    idx = list(sampler)
+    ds = Scored(n)
+    return gather_results(_model(ds.x[idx])[0], idx, num_samples=n)
+
+
+def test_gather_drops_padding_repeats_across_ranks():
+    n = 7
+    results = run_ranks(_padded_eval_rank, 3, n)
+    ref = _model(Scored(n).x)[0]
+    assert all(torch.equal(r, ref) for r in results)
+
+
+def _train_part(rank, n, batch_size, stop_after, state):
+    loader = prepare_dataloader(Scored(n), batch_size, seed=5)
+    if state is not None:
+        loader.load_state_dict(state)
+    loader.set_epoch(2)
+    seen = []
+    for b, (x, _) in enumerate(loader):
+        # identify the samples by their features (the dataset has no duplicates)
+        seen += [int(torch.nonzero((Scored(n).x == row).all(1))[0]) for row in x]
+        if stop_after is not None and b + 1 == stop_after:
+            break
+    states = comm.all_gather_object(loader.state_dict()["sampler"])
+    return seen, DistributedSampler.merge_states(states)
+
+
+def test_resume_on_fewer_ranks_sees_exactly_the_unseen_samples():
+    n = 29
+    first = run_ranks(_train_part, 3, n, 2, 2, None)  # 3 ranks, 2 batches of 2 each, then stop
+    seen = [i for s, _ in first for i in s]
+    assert len(seen) == 12 and len(set(seen)) == 12
+    merged = first[0][1]
+    assert merged["consumed"] == [4, 4, 4] and merged["num_replicas"] == 3
+    second = run_ranks(_train_part, 2, n, 3, None, merged)  # 2 ranks finish the epoch
+    rest = [i for s, _ in second for i in s]
+    unseen = set(range(n)) - set(seen)
+    assert set(rest) == unseen and len(rest) == len(unseen) + (-len(unseen)) % 2
+    assert len(second[0][0]) == len(second[1][0])  # equal shards: lockstep DDP can finish the epoch
+
+
+def _mpf_rank(rank, marker_dir, local, fail):
+    world = dptrain.get_world()
+    if local:
+        # pretend to be 2 nodes of 2 ranks: leaders are ranks 0 and 2
+        from dptrain import env
+
+        env._STATE.world = dataclasses.replace(world, local_rank=rank % 2, local_world_size=2, node_rank=rank // 2)
+    node = rank // 2 if local else 0
+    leader = (rank % 2 == 0) if local else rank == 0
+    marker = os.path.join(marker_dir, f"ready.{node}")
+    try:
+        with main_process_first(local=local):
+            if leader:
+                time.sleep(0.3)  # a slow download: the others must not start before it is done
+                if fail:
+                    raise OSError("download failed")
+                with open(marker, "w") as f:
+                    f.write("x")
+                return ("led", True)
+            return ("followed", all(os.path.exists(os.path.join(marker_dir, f"ready.{k}")) for k in range(node + 1)))
+    except Exception as exc:  # noqa: BLE001 - the test checks which error each rank got
+        return (type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_main_process_first_runs_the_leader_first(tmp_path, local):
+    results = run_ranks(_mpf_rank, 4, str(tmp_path), local, False)
+    leaders = {0, 2} if local else {0}
+    for rank, (role, ok) in enumerate(results):
+        assert role == ("led" if rank in leaders else "followed") and ok is True
+    if local:
+        assert sorted(os.listdir(tmp_path)) == ["ready.0", "ready.1"]
+
+
+def test_main_process_first_failure_on_rank_zero_does_not_hang(tmp_path):
+    results = run_ranks(_mpf_rank, 3, str(tmp_path), False, True, timeout=60)
+    assert results[0] == ("OSError", "download failed")
+    for rank in (1, 2):
+        kind, msg = results[rank]
+        assert kind == "RuntimeError" and f"rank {rank}:" in msg and "failed on rank 0: OSError: download failed" in msg
+    assert os.listdir(tmp_path) == []
