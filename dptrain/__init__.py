@@ -24,7 +24,10 @@ from dptrain.env import (
     world_size,
 )
 from dptrain.launch import RankFailedError, spawn
+from dptrain.data import DistributedSampler, gather_results, main_process_first, prepare_dataloader
 from dptrain.parallel.ddp import DDP, DistributedDataParallel
+from dptrain.parallel.fsdp import FSDP, FullyShardedDataParallel
+from dptrain.parallel.dp import DataParallel
 from dptrain import checkpoint
 from dptrain.seeding import seed_everything
 from dptrain.trainer import Trainer, TrainerConfig
@@ -45,8 +48,15 @@ __all__ = [
     "spawn",
     "world_size",
     "RankFailedError",
+    "DistributedSampler",
+    "prepare_dataloader",
+    "gather_results",
+    "main_process_first",
     "DistributedDataParallel",
     "DDP",
+    "FullyShardedDataParallel",
+    "FSDP",
+    "DataParallel",
     "checkpoint",
     "seed_everything",
     "Trainer",

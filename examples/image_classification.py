@@ -45,11 +45,11 @@ from _data import load_cifar10, load_digits_split  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--num_epochs", type=int, default=6, help="number of training epochs")
+    p.add_argument("--num_epochs", type=int, default=8, help="number of training epochs")
     p.add_argument("--batch_size", type=int, default=32, help="training batch size of one process")
     p.add_argument("--learning_rate", type=float, default=0.05, help="peak learning rate (SGD with momentum, one-cycle)")
     p.add_argument("--random_seed", type=int, default=0, help="seed of the model, the split and the shuffling")
-    p.add_argument("--model_dir", default="saved_models", help="where checkpoints and the final model go")
+    p.add_argument("--model_dir", default="runs/image_classification", help="where checkpoints and the final model go")
     p.add_argument("--model_filename", default="resnet_distributed.pth", help="final model file (weights without 'module.')")
     p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in --model_dir")
     p.add_argument("--data-dir", dest="data_dir", default=None, help="CIFAR-10 python batches; default: embedded digits")

@@ -1,4 +1,8 @@
-"""Multi-rank tests of dptrain.data: exact evaluation, resume across world sizes, main_process_first."""
+"""Multi-rank tests of dptrain.data: exact evaluation, resume across world sizes, main_process_first.
+
+Every rank imports this module to find its function, so it imports nothing slow at the top
+(no pytest, no sklearn): that would cost seconds per rank.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,8 @@ import dataclasses
 import os
 import time
 
-import numpy as np
-import pytest
 import torch
 import torch.utils.data as tud
-from sklearn.metrics import roc_auc_score
 
 import dptrain
 from dptrain import comm
@@ -55,8 +56,9 @@ def _eval_rank(rank, n, batch_size, dst):
     )
 
 
-@pytest.mark.parametrize("world, n, batch_size, dst", [(2, 11, 3, None), (3, 10, 4, None), (4, 13, 2, 0), (4, 3, 2, None)])
-def test_exact_eval_equals_single_process(world, n, batch_size, dst):
+def _check_exact_eval(world, n, batch_size, dst):
+    from sklearn.metrics import roc_auc_score
+
     results = run_ranks(_eval_rank, world, n, batch_size, dst)
     ds = Scored(n)
     ref_scores, ref_classes = _model(ds.x)
@@ -72,6 +74,22 @@ def test_exact_eval_equals_single_process(world, n, batch_size, dst):
         assert acc == (ref_classes == ds.y).double().mean().item()
         if 0 < labels.sum() < len(labels):
             assert roc_auc_score(labels, scores.numpy()) == roc_auc_score(labels, ref_scores.numpy())
+
+
+def test_exact_eval_on_2_ranks():
+    _check_exact_eval(2, 11, 3, None)
+
+
+def test_exact_eval_on_3_ranks():
+    _check_exact_eval(3, 10, 4, None)
+
+
+def test_exact_eval_on_4_ranks_to_rank_0():
+    _check_exact_eval(4, 13, 2, 0)
+
+
+def test_exact_eval_with_fewer_samples_than_ranks():
+    _check_exact_eval(4, 3, 2, None)  # rank 3 evaluates nothing and still takes part
 
 
 def _padded_eval_rank(rank, n):
@@ -142,14 +160,21 @@ def _mpf_rank(rank, marker_dir, local, fail):
         return (type(exc).__name__, str(exc))
 
 
-@pytest.mark.parametrize("local", [False, True])
-def test_main_process_first_runs_the_leader_first(tmp_path, local):
+def _check_leader_first(tmp_path, local):
     results = run_ranks(_mpf_rank, 4, str(tmp_path), local, False)
     leaders = {0, 2} if local else {0}
     for rank, (role, ok) in enumerate(results):
         assert role == ("led" if rank in leaders else "followed") and ok is True
     if local:
         assert sorted(os.listdir(tmp_path)) == ["ready.0", "ready.1"]
+
+
+def test_main_process_first_runs_rank_0_first(tmp_path):
+    _check_leader_first(tmp_path, local=False)
+
+
+def test_main_process_first_local_runs_each_node_leader_first(tmp_path):
+    _check_leader_first(tmp_path, local=True)
 
 
 def test_main_process_first_failure_on_rank_zero_does_not_hang(tmp_path):

@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils.data
@@ -94,32 +95,31 @@ def _base_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
 
 
 def _arrange(items: list[int], world: int, drop_last: bool, pad: bool) -> list[int]:
-    """Make ``items`` divisible by ``world`` the way PyTorch does (see the module Note)."""
+    """Make ``items`` (owned by the caller, changed in place) divisible by ``world`` as PyTorch does."""
     n = len(items)
     if not pad or n == 0:
         return items
     if drop_last:
-        return items[: n - n % world]
-    missing = math.ceil(n / world) * world - n
-    if missing == 0:
+        del items[n - n % world :]
         return items
-    return items + (items * math.ceil(missing / n))[:missing]
+    missing = math.ceil(n / world) * world - n
+    if missing:
+        items.extend((items[:missing] if missing <= n else items * math.ceil(missing / n))[:missing])
+    return items
 
 
 def _unseen(order: list[int], world: int, consumed: Sequence[int]) -> list[int]:
     """The remainder of a segment: positions not consumed, minus seen samples and repeats."""
-    taken = bytearray(len(order))
-    seen = set()
+    arr = np.asarray(order, dtype=np.int64)
+    taken = np.zeros(len(arr), dtype=bool)
     for r, count in enumerate(consumed):
-        for pos in range(r, r + count * world, world):
-            taken[pos] = 1
-            seen.add(order[pos])
-    out = []
-    for pos, idx in enumerate(order):
-        if not taken[pos] and idx not in seen:
-            seen.add(idx)
-            out.append(idx)
-    return out
+        taken[r : r + count * world : world] = True
+    seen = np.zeros(int(arr.max()) + 1 if len(arr) else 0, dtype=bool)
+    seen[arr[taken]] = True
+    rest = arr[~taken]
+    rest = rest[~seen[rest]]
+    _, first = np.unique(rest, return_index=True)  # first occurrence of each sample, in order
+    return rest[np.sort(first)].tolist()
 
 
 def _shard_len(total: int, world: int, rank: int) -> int:
@@ -255,7 +255,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                              self.num_replicas, self.drop_last, self.pad)
         else:
             order = self._segment_order(self._history, self.num_replicas)
-        self._current = order[self.rank :: self.num_replicas][skip:]
+        self._current = order[self.rank + skip * self.num_replicas :: self.num_replicas]
         return self._current
 
     def __iter__(self) -> Iterator[int]:
@@ -314,7 +314,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             return list(self._prepared)
         if self._resume_pending:
             order = self._segment_order(self._history, self.num_replicas)
-            return order[self.rank :: self.num_replicas][self._consumed :]
+            return order[self.rank + self._consumed * self.num_replicas :: self.num_replicas]
         if self._current is not None:
             return list(self._current)
         order = _arrange(_base_order(len(self.dataset), self.seed, self.epoch, self.shuffle),
@@ -448,14 +448,15 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         if len(counts) != world:
             raise ValueError(f"the sampler state has {len(counts)} consumed counts for {world} ranks")
 
-        self.epoch = int(state["epoch"])
-        self.seed = int(state["seed"])
+        previous = (self.epoch, self.seed)
+        self.epoch, self.seed = int(state["epoch"]), int(state["seed"])
         for r, count in enumerate(counts):
             limit = self._segment_len(r, history, world)
             if not 0 <= count <= limit:
+                self.epoch, self.seed = previous  # a rejected state leaves the sampler as it was
                 raise ValueError(
                     f"the sampler state says rank {r} consumed {count} samples, but it has {limit} in "
-                    f"epoch {self.epoch}; the state does not belong to this dataset or settings"
+                    f"epoch {state['epoch']}; the state does not belong to this dataset or settings"
                 )
         if world == self.num_replicas:
             self._history, self._consumed = history, counts[self.rank]

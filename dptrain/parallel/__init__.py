@@ -2,5 +2,7 @@
 
 from dptrain.parallel import comm_hooks
 from dptrain.parallel.ddp import DDP, DistributedDataParallel
+from dptrain.parallel.dp import DataParallel
+from dptrain.parallel.fsdp import FSDP, FullyShardedDataParallel, ModuleTypePolicy, ParamCountPolicy
 
-__all__ = ["DDP", "DistributedDataParallel", "comm_hooks"]
+__all__ = ["DDP", "DistributedDataParallel", "comm_hooks", "DataParallel", "FSDP", "FullyShardedDataParallel", "ModuleTypePolicy", "ParamCountPolicy"]

@@ -467,7 +467,8 @@ class FullyShardedDataParallel(nn.Module):
         """The unsharded model state with the plain model's keys, as CPU tensors.
 
         Collective (every rank must call it). The result loads with ``load_state_dict`` into
-        the unwrapped model.
+        the unwrapped model. Parameters are identical on every rank; buffers (e.g. BatchNorm
+        statistics, which FSDP does not synchronise) are the calling rank's own.
 
         Args:
             rank0_only: only rank 0 builds the dict; the others get ``{}``. Default True.

@@ -107,15 +107,18 @@ class GradBucket:
 class _Bucket:
     """One flat buffer and the parameters packed into it."""
 
-    __slots__ = ("index", "indices", "params", "buffer", "views", "view_ptrs", "numel")
+    __slots__ = ("index", "indices", "params", "flat", "buffer", "views", "view_ptrs", "numel")
 
-    def __init__(self, index: int, indices: list[int], params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, index: int, indices: list[int], params: list[torch.nn.Parameter], status_slot: bool) -> None:
         self.index = index
         self.indices = indices
         self.params = [params[i] for i in indices]
         first = self.params[0]
         self.numel = sum(p.numel() for p in self.params)
-        self.buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
+        # The last bucket carries one extra element, the number of ranks whose backward left
+        # parameters without gradient, so that every rank learns of it (see _finalize_backward).
+        self.flat = torch.zeros(self.numel + int(status_slot), dtype=first.dtype, device=first.device)
+        self.buffer = self.flat[: self.numel]
         self.views, offset = [], 0
         for p in self.params:
             self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
@@ -204,7 +207,8 @@ class Reducer:
         self.bucket_limits = limits
         sizes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]
-        self.buckets = [_Bucket(b, idx, self.params) for b, idx in enumerate(compute_bucket_assignment(sizes, keys, limits))]
+        assignment = compute_bucket_assignment(sizes, keys, limits)
+        self.buckets = [_Bucket(b, idx, self.params, b == len(assignment) - 1) for b, idx in enumerate(assignment)]
         self._bucket_of = [0] * len(self.params)
         for bucket in self.buckets:
             for i in bucket.indices:
@@ -359,7 +363,9 @@ class Reducer:
     def _launch(self, bucket: _Bucket) -> None:
         if self.comm_hook is None:
             self._fill(bucket, divide=True)
-            self._works[bucket.index] = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            if bucket.flat.numel() > bucket.numel:
+                bucket.flat[-1] = float(self._error is not None)
+            self._works[bucket.index] = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
         else:
             self._fill(bucket, divide=False)
             self._works[bucket.index] = self._run_hook(bucket, bucket.buffer)
@@ -373,7 +379,7 @@ class Reducer:
                 offs += p.numel()
             grad_bucket._views = views
         fut = self.comm_hook(self.comm_hook_state, grad_bucket)
-        if not isinstance(fut, torch.futures.Future):
+        if not callable(getattr(fut, "wait", None)):  # torch.futures.Future or torch._C.Future
             raise TypeError(
                 f"communication hook {getattr(self.comm_hook, '__qualname__', self.comm_hook)} returned "
                 f"{type(fut).__name__}; it must return a torch.futures.Future holding the bucket's tensor"
@@ -413,6 +419,16 @@ class Reducer:
             used = torch.tensor(list(self._local_used), dtype=torch.int32, device=device)
             used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
         results = [self._wait(bucket, work) for bucket, work in zip(self.buckets, self._works)]
+        last = self.buckets[-1]
+        if self.comm_hook is None and self._error is None and last.flat[-1].item() > 0:
+            # Another rank left parameters without gradient: fail here too instead of hanging later.
+            write_back = False
+            self._error = (
+                f"DistributedDataParallel on rank {dist.get_rank()}: in the previous backward "
+                f"{int(last.flat[-1].item())} other rank(s) produced no gradient for some parameters (their "
+                "error names them). Pass find_unused_parameters=True to DistributedDataParallel(...) when the "
+                "set of parameters used in forward can differ between ranks or iterations."
+            )
         if used_work is not None:
             used_work.wait()
             self._global_unused = [u == 0 for u in used.tolist()]
@@ -463,7 +479,7 @@ class Reducer:
         """For a rank that has joined: run the collectives of one synced backward with zeros."""
         works = []
         for bucket in self.buckets:
-            zeros = torch.zeros_like(bucket.buffer)
+            zeros = torch.zeros_like(bucket.flat if self.comm_hook is None else bucket.buffer)
             if self.comm_hook is None:
                 works.append(dist.all_reduce(zeros, group=self.process_group, async_op=True))
             else:

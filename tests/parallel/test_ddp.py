@@ -297,3 +297,25 @@ def test_constructor_validates_arguments():
         dptrain.DDP(nn.Linear(2, 2).requires_grad_(False))
     with pytest.raises(ValueError, match="device_ids"):
         dptrain.DDP(nn.Linear(2, 2), device_ids=[0])
+
+
+def _unused_on_one_rank(rank):
+    torch.manual_seed(0)
+    model = MODELS["unused"]()
+    model.never.requires_grad_(False)
+    ddp = dptrain.DDP(model)
+    x, y = make_batch("unused", rank, 0)
+    x[0, 0] = 1.0 if rank == 0 else -1.0  # 'sometimes' used on rank 0 only
+    F.cross_entropy(ddp(x), y).backward()
+    try:
+        ddp(x)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_parameter_unused_on_one_rank_without_flag_fails_everywhere():
+    msg0, msg1 = run_ranks(_unused_on_one_rank, 2, timeout=30)
+    assert msg1 is not None and "on rank 1" in msg1 and "'sometimes.weight'" in msg1
+    assert msg0 is not None and "on rank 0" in msg0 and "1 other rank(s)" in msg0
+    assert "find_unused_parameters=True" in msg0

@@ -53,10 +53,10 @@ CONFIGS = [
 ]
 
 
-def _parity_rank(rank, kind):
-    """Train FSDP (each config) and our DDP side by side for 3 Adam steps; return diffs on rank 0."""
+def _parity_rank(rank, configs):
+    """Train FSDP (each config, both models) and our DDP side by side for 3 Adam steps; diffs on rank 0."""
     results = []
-    for strategy, offload, accum, clip in CONFIGS:
+    for (strategy, offload, accum, clip), kind in [(c, k) for c in configs for k in ("transformer", "mlp")]:
         torch.manual_seed(0)
         model = _transformer() if kind == "transformer" else _mlp()
         init = copy.deepcopy(model.state_dict())
@@ -95,10 +95,11 @@ def _parity_rank(rank, kind):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind", ["transformer", "mlp"])
-def test_parity_with_ddp(world, kind):
-    results = run_ranks(_parity_rank, world, kind)[0]
-    assert len(results) == len(CONFIGS)
+def test_parity_with_ddp(world):
+    # 4 ranks on 2 cores is slow: there, one config per strategy (with offload, no_sync, clip).
+    configs = CONFIGS if world == 2 else CONFIGS[1:4]
+    results = run_ranks(_parity_rank, world, configs)[0]
+    assert len(results) == 2 * len(configs)
     for strategy, offload, diff, moved, norms in results:
         assert diff < ATOL, (strategy, offload, diff)
         assert moved > 5 * ATOL, (strategy, offload, moved)  # training really happened
@@ -135,7 +136,7 @@ def test_each_rank_stores_one_shard_and_frees_gathered_params(world):
             assert unit_total == total
             assert stored == expected  # 1/world of each unit, padded up
             assert stored * world - total < world * 3  # padding is less than one element per rank per unit
-            assert names == ["module.blocks.0._flat_param", "module.blocks.1._flat_param", "module._flat_param"]
+            assert names == ["module._flat_param", "module.blocks.0._flat_param", "module.blocks.1._flat_param"]
             assert freed
             blocks = [v for k, v in after_forward.items() if k.startswith("TransformerBlock")]
             root = after_forward["TinyTransformer2"]

@@ -1,0 +1,177 @@
+"""Per-rank memory of model state and step time: DDP vs our FSDP (each strategy) vs PyTorch FSDP2.
+
+Model: ``TinyTransformer`` sized to ~34 M parameters (vocab 8192, dim 512, depth 8), trained
+with fp32 Adam on random tokens; FSDP units are the transformer blocks plus the root.
+
+What is measured, per rank, after ``optimizer.step()`` (the point where parameters,
+gradients and both Adam moments are all alive):
+
+- **model state**: bytes of the distinct storages behind the parameters the optimizer
+  steps, their gradients and the optimizer state (local shards for DTensors);
+- **peak RSS** of the rank's process (``ru_maxrss``) and its growth over the baseline taken
+  right after the model was built unwrapped (so activations, gathered parameters,
+  communication buffers and allocator slack are included there);
+- **step time**: median of the timed steps (forward + backward + step).
+
+Theory (fp32 Adam, ZeRO paper notation, Psi parameters, N ranks): 4 bytes parameter + 4
+bytes gradient + 8 bytes Adam moments = 16 Psi per rank for DDP; ZeRO-3 (full_shard,
+shard_grad_op: everything sharded) 16 Psi / N; no_shard = DDP.
+
+Run (the numbers in results_fsdp.md come from the first line)::
+
+    python benchmarks/fsdp_memory.py               # 2 and 4 ranks, ~34 M params
+    python benchmarks/fsdp_memory.py --quick       # small model, 2 ranks, a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import dptrain  # noqa: E402
+from dptrain.models import TinyTransformer, TransformerBlock  # noqa: E402
+from dptrain.parallel.fsdp import FSDP, ModuleTypePolicy  # noqa: E402
+
+CONFIGS = ["ddp", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:no_shard", "fsdp:full_shard+offload", "fsdp2"]
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def model_state_bytes(params, optimizer) -> dict[str, int]:
+    """Bytes of distinct storages: parameters, gradients, optimizer state."""
+    seen: set[int] = set()
+
+    def nbytes(ts) -> int:
+        total = 0
+        for t in ts:
+            if t is None or not isinstance(t, torch.Tensor):
+                continue
+            s = _local(t).untyped_storage()
+            if s.data_ptr() in seen or s.nbytes() == 0:
+                continue
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+        return total
+
+    params = list(params)
+    return {
+        "params": nbytes(params),
+        "grads": nbytes(p.grad for p in params),
+        "optim": nbytes(v for st in optimizer.state.values() for v in st.values()),
+    }
+
+
+def _build(cfg: str, sizes: dict):
+    torch.manual_seed(0)
+    model = TinyTransformer(**sizes)
+    psi = sum(p.numel() for p in model.parameters())
+    base_rss = _current_rss_mb()
+    if cfg == "ddp":
+        wrapped = dptrain.DistributedDataParallel(model)
+    elif cfg == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        wrapped = fully_shard(model)
+    else:
+        strategy = cfg.split(":")[1]
+        offload = strategy.endswith("+offload")
+        strategy = strategy.replace("+offload", "")
+        wrapped = FSDP(model, auto_wrap_policy=ModuleTypePolicy({TransformerBlock}), sharding_strategy=strategy, cpu_offload=offload)
+    gc.collect()
+    return wrapped, psi, base_rss
+
+
+def _rank(rank: int, cfg: str, sizes: dict, batch: int, seq: int, steps: int) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    model, psi, base_rss = _build(cfg, sizes)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(steps + 1):  # the first step (allocations, lazy init) is not timed
+        x = torch.randint(0, sizes["vocab"], (batch, seq), generator=gen)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        if step:
+            times.append(time.perf_counter() - t0)
+    state = model_state_bytes(model.parameters(), opt)
+    return {
+        "psi": psi,
+        "state": state,
+        "peak_rss_mb": _rss_mb(),
+        "rss_growth_mb": _current_rss_mb() - base_rss,
+        "step_s": statistics.median(times),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small model, 2 ranks, 2 steps")
+    ap.add_argument("--worlds", type=int, nargs="+", default=None)
+    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    ap.add_argument("--steps", type=int, default=None)
+    args = ap.parse_args()
+    if args.quick:
+        sizes, worlds, steps, batch, seq = dict(vocab=512, dim=64, depth=4, heads=4, max_len=32), [2], 2, 2, 16
+    else:
+        sizes, worlds, steps, batch, seq = dict(vocab=8192, dim=512, depth=8, heads=8, max_len=128), [2, 4], 3, 2, 64
+    worlds = args.worlds or worlds
+    steps = args.steps or steps
+    from tests._dist import run_ranks
+
+    rows = []
+    for world in worlds:
+        for cfg in args.configs:
+            res = run_ranks(_rank, world, cfg, sizes, batch, seq, steps, timeout=1800)
+            psi = res[0]["psi"]
+            state = max(sum(r["state"].values()) for r in res)
+            theory = 16 * psi if cfg in ("ddp", "fsdp:no_shard") else 16 * psi / world
+            rows.append(
+                (world, cfg, psi, state, theory, max(r["peak_rss_mb"] for r in res),
+                 max(r["rss_growth_mb"] for r in res), statistics.median(r["step_s"] for r in res), res[0]["state"])
+            )  # fmt: skip
+            print(_fmt(rows[-1]), flush=True)
+    print()
+    print("| ranks | config | model state / rank (MB) | theory (MB) | ratio | vs ZeRO-3 16Ψ/N | peak RSS (MB) | RSS growth (MB) | step (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for world, cfg, psi, state, theory, rss, growth, step, _ in rows:
+        z3 = 16 * psi / world
+        print(f"| {world} | {cfg} | {state / 1e6:.1f} | {theory / 1e6:.1f} | {state / theory:.3f} | {state / z3:.2f}x | {rss:.0f} | {growth:.0f} | {step:.3f} |")
+
+
+def _fmt(row) -> str:
+    world, cfg, psi, state, theory, rss, growth, step, parts = row
+    detail = ", ".join(f"{k}={v / 1e6:.1f}MB" for k, v in parts.items())
+    return f"world={world} {cfg:24s} psi={psi / 1e6:.1f}M state={state / 1e6:.1f}MB ({detail}) theory={theory / 1e6:.1f}MB ratio={state / theory:.3f} peakRSS={rss:.0f}MB growth={growth:.0f}MB step={step:.3f}s"
+
+
+if __name__ == "__main__":
+    main()

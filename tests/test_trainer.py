@@ -1,0 +1,339 @@
+"""dptrain.Trainer: config validation, exact evaluation, best model, accumulation, logging,
+and checkpoints that resume bit for bit (also across world sizes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dptrain
+from dptrain import checkpoint
+from dptrain.data import prepare_dataloader
+from dptrain.trainer import Trainer, TrainerConfig
+from tests._dist import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------------- helpers -----
+
+
+def _dataset(n: int = 96, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long() + (x[:, 2] > 1).long()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _model() -> nn.Module:
+    # Dropout and BatchNorm: resume must restore RNG streams and buffers too.
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 3))
+
+
+def _accuracy(out, tgt):
+    return {"accuracy": (out.argmax(1) == tgt).float().mean().item()}
+
+
+def _trainer(cdir=None, resume=False, strategy=None, accum=1, steps=0, bs=6, n=96, log_dir=None, dev=True, **cfg):
+    dptrain.seed_everything(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    config = TrainerConfig(
+        strategy=strategy, checkpoint_dir=cdir, save_every_steps=steps, keep_last=0, gradient_accumulation_steps=accum,
+        best_metric="accuracy", best_mode="max", verbose=False, log_dir=log_dir, **cfg,
+    )
+    data = _dataset(n)
+    return Trainer(
+        model, opt, prepare_dataloader(data, bs, seed=3), nn.CrossEntropyLoss(), config,
+        dev_data=prepare_dataloader(_dataset(37, seed=2), 8, mode="eval") if dev else None,
+        scheduler=sched, metric_fn=_accuracy, resume=resume,
+    )
+
+
+def _params(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in checkpoint.unwrap_model(trainer.model).state_dict().items()}
+
+
+def _weights(state: dict) -> dict:
+    # Parameters only: DDP syncs buffers (BatchNorm statistics) from rank 0 at the start of
+    # each forward, so after the last forward every rank holds its own statistics.
+    return {k: v for k, v in state.items() if "running" not in k and "num_batches" not in k}
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------- config --------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"strategy": "dp"}, r"strategy='dp'.*'ddp', 'fsdp', 'torch-ddp', 'none'"),
+        ({"gradient_accumulation_steps": 0}, r"gradient_accumulation_steps=0"),
+        ({"best_mode": "maximum"}, r"best_mode='maximum'"),
+        ({"save_every_steps": 10}, r"save_every_steps=10.*checkpoint_dir"),
+        ({"batch_size": -2}, r"batch_size=-2"),
+        ({"max_grad_norm": 0.0}, r"max_grad_norm=0.0"),
+        ({"scheduler_interval": "batch"}, r"scheduler_interval='batch'"),
+        ({"amp_dtype": "int8"}, r"amp_dtype='int8'"),
+    ],
+)
+def test_config_rejects_bad_values_with_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainerConfig(**kwargs)
+
+
+def test_config_to_dict_is_plain():
+    d = TrainerConfig(checkpoint_dir="c", ddp_kwargs={"bucket_cap_mb": 1}).to_dict()
+    assert d["checkpoint_dir"] == "c" and d["strategy"] is None and isinstance(d["ddp_kwargs"], str)
+
+
+def test_single_process_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="strategy='torch-ddp'.*needs a process group"):
+        _trainer(strategy="torch-ddp")
+    with pytest.raises(ValueError, match="batch_size=None"):
+        Trainer(_model(), lambda p: torch.optim.SGD(p, lr=0.1), _dataset(), nn.CrossEntropyLoss())
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        _trainer(resume=str(tmp_path / "missing.pt"))
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"junk")
+    with pytest.raises(checkpoint.CheckpointError, match="bad.pt"):
+        _trainer(resume=str(bad))
+    checkpoint.save({"model": {}}, tmp_path / "bare.pt")
+    with pytest.raises(ValueError, match="not a dptrain Trainer checkpoint"):
+        _trainer(resume=str(tmp_path / "bare.pt"))
+
+
+def test_amp_on_cpu_warns_once_and_trains_in_fp32():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = _trainer(amp=True)
+    assert any("amp=True) is ignored" in str(w.message) for w in caught)
+    assert t.amp is False and t.scaler is None
+    t.fit(1)
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())
+
+
+# ----------------------------------------------------------- single process training ---
+
+
+def test_fit_single_process_history_best_and_export(tmp_path):
+    t = _trainer(cdir=str(tmp_path / "ck"), log_dir=str(tmp_path / "tb"), export_safetensors=str(tmp_path / "w.safetensors"))
+    assert t.strategy == "none" and t.model is not None
+    summary = t.fit(3)
+    hist = summary["history"]
+    assert [h["epoch"] for h in hist] == [0, 1, 2]
+    assert all(h["time_s"] > 0 and 0 <= h["dev_accuracy"] <= 1 for h in hist)
+    # the LR schedule ran once per epoch: StepLR(step_size=2, gamma=0.5)
+    assert [h["lr"] for h in hist] == [0.05, 0.05, 0.025]
+    best = max(range(3), key=lambda e: (hist[e]["dev_accuracy"], -e))
+    assert summary["best"] == {"epoch": best, "metric": "accuracy", "value": hist[best]["dev_accuracy"]}
+    on_disk = checkpoint.load(tmp_path / "ck" / "best.pt")
+    assert on_disk["epoch"] == best and _same(on_disk["model"], t.best_state)
+    exported = checkpoint.load_safetensors(tmp_path / "w.safetensors")
+    assert _same(exported, {k: v for k, v in t.best_state.items()})
+    names = sorted(os.listdir(tmp_path / "ck"))
+    assert names == ["best.pt", "ckpt-e0001-s000000016.pt", "ckpt-e0002-s000000032.pt", "ckpt-e0003-s000000048.pt"]
+    # TensorBoard: per-epoch scalars and the hparams table
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert len(acc.Scalars("train/loss")) == 3 and len(acc.Scalars("dev/accuracy")) == 3
+    assert any(name.startswith("events") for name in os.listdir(tmp_path / "tb"))
+
+
+def test_evaluate_matches_a_plain_loop_and_test_uses_best_model(tmp_path):
+    t = _trainer()
+    t.fit(2)
+    metrics = t.evaluate()
+    net = checkpoint.unwrap_model(t.model).eval()
+    ds = _dataset(37, seed=2)
+    with torch.no_grad():
+        out = net(ds.tensors[0])
+    assert metrics["loss"] == pytest.approx(float(nn.CrossEntropyLoss()(out, ds.tensors[1])), rel=1e-6)
+    assert metrics["accuracy"] == pytest.approx(_accuracy(out, ds.tensors[1])["accuracy"])
+    # test() loads the best weights first
+    t.model.apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+    res = t.test(prepare_dataloader(_dataset(37, seed=2), 8, mode="eval"))
+    assert res["accuracy"] == pytest.approx(t.best_metric)
+
+
+def test_gradient_accumulation_matches_the_larger_batch():
+    def run(accum, bs):
+        dptrain.seed_everything(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = prepare_dataloader(_dataset(48), bs, shuffle=False)
+        t = Trainer(model, opt, loader, nn.CrossEntropyLoss(), TrainerConfig(gradient_accumulation_steps=accum, verbose=False))
+        t.fit(2)
+        return _params(t), t.global_step
+
+    big, steps_big = run(1, 12)
+    small, steps_small = run(3, 4)
+    assert steps_big == steps_small == 8
+    for k in big:
+        torch.testing.assert_close(small[k], big[k], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- multi-rank -----------
+
+
+def _resume_ranks(rank, cdir, strategy, accum):
+    """Train 3 epochs with step checkpoints; resume from an epoch-end and a mid-epoch one."""
+    full = _trainer(cdir, strategy=strategy, accum=accum, steps=3)
+    summary = full.fit(3)
+    expect = _params(full)
+    names = sorted(os.listdir(cdir))
+    per_epoch = (96 // 2 + 5) // 6  # 8 batches per rank per epoch
+    steps_per_epoch = -(-per_epoch // accum)
+    epoch_end = checkpoint.checkpoint_path(cdir, 1, steps_per_epoch)
+    mid = [n for n in names if n.startswith("ckpt-e0001") and n != os.path.basename(epoch_end)][0]
+    out = {"names": names, "summary_loss": [h["train_loss"] for h in summary["history"]]}
+    for label, path in (("epoch_end", epoch_end), ("mid_epoch", os.path.join(cdir, mid))):
+        resumed = _trainer(cdir, resume=path, strategy=strategy, accum=accum, steps=3)
+        assert resumed.resumed_from == path
+        s = resumed.fit(3)
+        out[label] = _same(_params(resumed), expect)
+        out[label + "_loss"] = [h["train_loss"] for h in s["history"]]
+        out[label + "_best"] = s["best"] == summary["best"]
+    out["params"] = expect
+    return out
+
+
+@pytest.mark.parametrize("strategy, accum", [("ddp", 1), ("ddp", 2), ("torch-ddp", 1)])
+def test_resume_is_bitwise_equal_on_two_ranks(tmp_path, strategy, accum):
+    r0, r1 = run_ranks(_resume_ranks, 2, str(tmp_path), strategy, accum)
+    for r in (r0, r1):
+        assert r["epoch_end"], "resume from an epoch-end checkpoint diverged"
+        assert r["mid_epoch"], "resume from a mid-epoch checkpoint diverged"
+        assert r["epoch_end_loss"] == r["summary_loss"] and r["mid_epoch_loss"] == r["summary_loss"]
+        assert r["epoch_end_best"] and r["mid_epoch_best"]
+    assert _same(_weights(r0["params"]), _weights(r1["params"]))  # the replicas agree
+    # a mid-epoch checkpoint exists (steps 3, 6, ... not on an epoch end)
+    assert any(n.startswith("ckpt-e0001") for n in r0["names"])
+
+
+def test_our_ddp_equals_torch_ddp_in_the_trainer(tmp_path):
+    ours = run_ranks(_train_ranks, 2, str(tmp_path / "a"), "ddp", 2)
+    theirs = run_ranks(_train_ranks, 2, str(tmp_path / "b"), "torch-ddp", 2)
+    assert _same(ours[0]["params"], theirs[0]["params"])
+
+
+def _train_ranks(rank, cdir, strategy, epochs):
+    t = _trainer(cdir, strategy=strategy)
+    s = t.fit(epochs)
+    return {"params": _params(t), "latest": checkpoint.latest_checkpoint(cdir), "history": s["history"], "dev": t.evaluate()}
+
+
+def _load_ranks(rank, path, cdir):
+    t = _trainer(cdir, resume=path)
+    loaded = _params(t)
+    s = t.fit(3)  # one more epoch on this world size
+    return {"loaded": loaded, "after": _params(t), "epoch": t.epoch, "history": s["history"], "world": dptrain.world_size()}
+
+
+def test_two_rank_checkpoint_loads_into_plain_model_one_rank_and_three_ranks(tmp_path):
+    r = run_ranks(_train_ranks, 2, str(tmp_path / "two"), "ddp", 2)
+    path = r[0]["latest"]
+    trained = r[0]["params"]
+    # 1) a plain model, no Trainer
+    plain = _model()
+    checkpoint.load_model_state(plain, checkpoint.load(path)["model"])
+    assert _same({k: v for k, v in plain.state_dict().items()}, trained)
+    # the dev metrics were gathered exactly: every one of the 37 samples, equal on both ranks
+    assert r[0]["dev"] == r[1]["dev"]
+    # 2) a single process
+    one = _trainer(str(tmp_path / "one"), resume=path)
+    assert _same(_params(one), trained) and one.epoch == 2
+    one.fit(3)
+    assert one.epoch == 3 and len(one.history) == 3
+    # 3) three ranks
+    three = run_ranks(_load_ranks, 3, path, str(tmp_path / "three"))
+    for res in three:
+        assert res["world"] == 3 and res["epoch"] == 3
+        assert _same(res["loaded"], trained)
+        assert _same(_weights(res["after"]), _weights(three[0]["after"]))  # DDP keeps the replicas equal
+        assert [h["epoch"] for h in res["history"]] == [0, 1, 2]
+
+
+def _auto_resume_ranks(rank, cdir):
+    t = _trainer(cdir, resume=None, steps=5)  # resume=None: automatic when the launcher restarted us
+    s = t.fit(2)
+    return {"from": t.resumed_from, "params": _params(t), "restart": dptrain.get_world().restart_count, "step": s["global_step"]}
+
+
+def test_restarted_job_resumes_automatically(tmp_path):
+    cdir = str(tmp_path)
+    first = run_ranks(_auto_resume_ranks, 2, cdir)
+    assert first[0]["from"] is None and first[0]["restart"] == 0
+    # keep only a mid-run checkpoint, as if the job had died after it
+    keep = checkpoint.checkpoint_path(cdir, 0, 5)
+    for p in checkpoint.list_checkpoints(cdir):
+        if p != keep:
+            os.remove(p)
+    again = run_ranks(_auto_resume_ranks, 2, cdir, env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    for r in again:
+        assert r["restart"] == 1 and r["from"] == keep
+        assert _same(r["params"], first[0]["params"]) and r["step"] == first[0]["step"]
+
+
+# A training script killed by SIGKILL on rank 1 at a chosen step of its first attempt;
+# `dptrain run --max-restarts 1` restarts both ranks and the Trainer resumes automatically.
+_CRASHING_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    from torch import nn
+    sys.path.insert(0, {root!r})
+    import dptrain
+    from tests.test_trainer import _trainer, _params
+
+    cdir, kill_at, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    world = dptrain.init()
+    t = _trainer(cdir, resume=None, steps=2)
+    inner = t.loss_fn
+
+    def loss_fn(o, y):
+        if world.restart_count == 0 and world.rank == 1 and t.global_step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return inner(o, y)
+
+    t.loss_fn = loss_fn
+    t.fit(3)
+    if world.rank == 0:
+        torch.save({{"params": _params(t), "resumed_from": t.resumed_from, "restart": world.restart_count}}, out)
+    dptrain.shutdown()
+    """
+)
+
+
+def test_kill_9_and_launcher_restart_gives_the_uninterrupted_model(tmp_path):
+    script = tmp_path / "crashy.py"
+    script.write_text(_CRASHING_SCRIPT.format(root=ROOT))
+    results = {}
+    for label, kill_at in (("clean", -1), ("killed", 13)):
+        out = tmp_path / f"{label}.pt"
+        proc = subprocess.run(
+            [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", "--max-restarts", "1", str(script),
+             str(tmp_path / label), str(kill_at), str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[label] = (torch.load(out, weights_only=True), proc.stderr)
+    clean, killed = results["clean"][0], results["killed"][0]
+    assert clean["restart"] == 0 and clean["resumed_from"] is None
+    assert killed["restart"] == 1 and killed["resumed_from"].endswith("ckpt-e0001-s000000012.pt")
+    assert "SIGKILL" in results["killed"][1] or "signal 9" in results["killed"][1]
+    assert _same(killed["params"], clean["params"])
