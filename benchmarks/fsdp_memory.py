@@ -8,9 +8,13 @@ gradients and both Adam moments are all alive):
 
 - **model state**: bytes of the distinct storages behind the parameters the optimizer
   steps, their gradients and the optimizer state (local shards for DTensors);
-- **peak RSS** of the rank's process (``ru_maxrss``) and its growth over the baseline taken
-  right after the model was built unwrapped (so activations, gathered parameters,
-  communication buffers and allocator slack are included there);
+- **peak RSS during training** of the rank's process (Linux ``VmHWM``, reset with
+  ``/proc/self/clear_refs`` once the model and optimizer are built) and that peak minus the
+  RSS right after the model was built unwrapped (so activations, gathered parameters and
+  communication buffers are included, and the freed unwrapped parameters count as saved).
+  glibc keeps freed heap memory by default, which hides what a sharded model gives back;
+  every rank therefore sets a fixed ``M_MMAP_THRESHOLD`` of 64 KiB (same for every config)
+  so large tensors are returned to the OS when freed;
 - **step time**: median of the timed steps (forward + backward + step).
 
 Theory (fp32 Adam, ZeRO paper notation, Psi parameters, N ranks): 4 bytes parameter + 4
@@ -26,6 +30,7 @@ Run (the numbers in results_fsdp.md come from the first line)::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import resource
@@ -46,7 +51,29 @@ from dptrain.parallel.fsdp import FSDP, ModuleTypePolicy  # noqa: E402
 CONFIGS = ["ddp", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:no_shard", "fsdp:full_shard+offload", "fsdp2"]
 
 
+def _fix_malloc() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD; also stops its auto-raise
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+    except OSError:
+        pass
+
+
 def _rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
@@ -109,8 +136,11 @@ def _rank(rank: int, cfg: str, sizes: dict, batch: int, seq: int, steps: int) ->
     import warnings
 
     warnings.filterwarnings("ignore")
+    _fix_malloc()
     model, psi, base_rss = _build(cfg, sizes)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    gc.collect()
+    _reset_peak_rss()
     gen = torch.Generator().manual_seed(rank)
     times = []
     for step in range(steps + 1):  # the first step (allocations, lazy init) is not timed
@@ -127,9 +157,33 @@ def _rank(rank: int, cfg: str, sizes: dict, batch: int, seq: int, steps: int) ->
         "psi": psi,
         "state": state,
         "peak_rss_mb": _rss_mb(),
-        "rss_growth_mb": _current_rss_mb() - base_rss,
+        "rss_growth_mb": _rss_mb() - base_rss,
         "step_s": statistics.median(times),
     }
+
+
+def _paired_rank(rank: int, cfgs: list, sizes: dict, batch: int, seq: int, steps: int) -> dict:
+    """Step time with the configs built side by side in one process, alternating steps."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    built = [_build(cfg, sizes)[0] for cfg in cfgs]
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-4) for m in built]
+    gen = torch.Generator().manual_seed(rank)
+    times: dict[str, list[float]] = {cfg: [] for cfg in cfgs}
+    for step in range(steps + 1):
+        x = torch.randint(0, sizes["vocab"], (batch, seq), generator=gen)
+        order = list(zip(cfgs, built, opts))
+        if step % 2:
+            order.reverse()  # alternate who goes first: neither always runs on a warm cache
+        for cfg, model, opt in order:
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            model(x).logsumexp(-1).mean().backward()
+            opt.step()
+            if step:
+                times[cfg].append(time.perf_counter() - t0)
+    return times
 
 
 def main() -> None:
@@ -138,11 +192,13 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=None)
     ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--paired-steps", type=int, default=None, help="alternating timed steps of ddp / fsdp:full_shard / fsdp2")
     args = ap.parse_args()
     if args.quick:
-        sizes, worlds, steps, batch, seq = dict(vocab=512, dim=64, depth=4, heads=4, max_len=32), [2], 2, 2, 16
+        sizes, worlds, steps, batch, seq, paired = dict(vocab=512, dim=64, depth=4, heads=4, max_len=32), [2], 2, 2, 16, 4
     else:
-        sizes, worlds, steps, batch, seq = dict(vocab=8192, dim=512, depth=8, heads=8, max_len=128), [2, 4], 3, 2, 64
+        sizes, worlds, steps, batch, seq, paired = dict(vocab=8192, dim=512, depth=8, heads=8, max_len=128), [2, 4], 3, 2, 64, 8
+    paired = args.paired_steps if args.paired_steps is not None else paired
     worlds = args.worlds or worlds
     steps = args.steps or steps
     from tests._dist import run_ranks
@@ -160,17 +216,28 @@ def main() -> None:
             )  # fmt: skip
             print(_fmt(rows[-1]), flush=True)
     print()
-    print("| ranks | config | model state / rank (MB) | theory (MB) | ratio | vs ZeRO-3 16Ψ/N | peak RSS (MB) | RSS growth (MB) | step (s) |")
+    print("| ranks | config | model state / rank (MB) | theory (MB) | ratio | vs ZeRO-3 16Ψ/N | peak RSS in training (MB) | peak RSS - unwrapped model (MB) | step (s) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for world, cfg, psi, state, theory, rss, growth, step, _ in rows:
         z3 = 16 * psi / world
         print(f"| {world} | {cfg} | {state / 1e6:.1f} | {theory / 1e6:.1f} | {state / theory:.3f} | {state / z3:.2f}x | {rss:.0f} | {growth:.0f} | {step:.3f} |")
+    if paired:
+        cfgs = ["ddp", "fsdp:full_shard", "fsdp2"]
+        print()
+        print(f"Paired step time ({paired} alternating steps per config, median over steps and ranks):")
+        print()
+        print("| ranks | ddp (s) | ours full_shard (s) | FSDP2 (s) | ours / FSDP2 |")
+        print("|---|---|---|---|---|")
+        for world in worlds:
+            res = run_ranks(_paired_rank, world, cfgs, sizes, batch, seq, paired, timeout=1800)
+            med = {c: statistics.median(t for r in res for t in r[c]) for c in cfgs}
+            print(f"| {world} | {med['ddp']:.3f} | {med['fsdp:full_shard']:.3f} | {med['fsdp2']:.3f} | {med['fsdp:full_shard'] / med['fsdp2']:.2f} |", flush=True)
 
 
 def _fmt(row) -> str:
     world, cfg, psi, state, theory, rss, growth, step, parts = row
     detail = ", ".join(f"{k}={v / 1e6:.1f}MB" for k, v in parts.items())
-    return f"world={world} {cfg:24s} psi={psi / 1e6:.1f}M state={state / 1e6:.1f}MB ({detail}) theory={theory / 1e6:.1f}MB ratio={state / theory:.3f} peakRSS={rss:.0f}MB growth={growth:.0f}MB step={step:.3f}s"
+    return f"world={world} {cfg:24s} psi={psi / 1e6:.1f}M state={state / 1e6:.1f}MB ({detail}) theory={theory / 1e6:.1f}MB ratio={state / theory:.3f} peakRSS={rss:.0f}MB peak-base={growth:.0f}MB step={step:.3f}s"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ from typing import Any, Mapping
 def format_metrics(metrics: Mapping[str, Any], prefix: str = "") -> str:
     parts = []
     for key, value in metrics.items():
-        if isinstance(value, float):
+        if isinstance(value, float) and value.is_integer() and abs(value) < 1e12:
+            parts.append(f"{prefix}{key} {int(value)}")  # counts stay counts
+        elif isinstance(value, float):
             parts.append(f"{prefix}{key} {value:.4f}")
         else:
             parts.append(f"{prefix}{key} {value}")

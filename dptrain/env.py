@@ -487,10 +487,13 @@ def _timeout() -> datetime.timedelta:
     return _STATE.timeout
 
 
-def _warn_once_main(message: str, category=UserWarning, _seen: set = set()) -> None:  # noqa: B006
+_WARNED: set[str] = set()
+
+
+def _warn_once_main(message: str, category=UserWarning) -> None:
     """Warn once per process, and only on rank 0, for settings that silently do nothing."""
-    if message in _seen:
+    if message in _WARNED:
         return
-    _seen.add(message)
+    _WARNED.add(message)
     if get_world().rank == 0:
         warnings.warn(message, category, stacklevel=3)

@@ -322,7 +322,8 @@ def _watch_spawned(procs, conns, timeout) -> list[Any]:
     pending_conns = {c: r for r, c in enumerate(conns)}
     while not all(done):
         wait_s = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
-        ready = mp.connection.wait(list(pending_conns) + [p.sentinel for p in procs if not done[procs.index(p)]], wait_s)
+        sentinels = [p.sentinel for rank, p in enumerate(procs) if not done[rank]]
+        ready = mp.connection.wait(list(pending_conns) + sentinels, wait_s)
         for obj in ready:
             if obj in pending_conns:
                 rank = pending_conns.pop(obj)
@@ -386,7 +387,6 @@ class LaunchConfig:
     max_restarts: int = 0
     timeout: float | None = None
     debug: bool = False
-    heartbeat_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:

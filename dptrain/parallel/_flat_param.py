@@ -255,12 +255,12 @@ class FlatParamUnit:
 
     # -- hooks (installed by the FSDP wrapper) -------------------------------------------
     def pre_forward(self, module, args):
-        self.state.record_forward(self)
         self.unshard()
         self.wait_unshard()
         self._set_views(grad=torch.is_grad_enabled())
 
     def post_forward(self, module, args, output):
+        self.state.record_forward(self)
         grad = torch.is_grad_enabled() and self.requires_grad
         if not grad or (self.strategy == ShardingStrategy.FULL_SHARD and not self.is_root):
             self.reshard()

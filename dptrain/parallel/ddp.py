@@ -9,14 +9,16 @@ rank 0; backward averages gradients through :class:`dptrain.parallel.reducer.Red
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dptrain import comm
+from dptrain import comm, env
 from dptrain.parallel.reducer import Reducer
 
 __all__ = ["DistributedDataParallel", "DDP"]
@@ -102,19 +104,57 @@ def _move_to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+class _BackwardSink(torch.autograd.Function):
+    """Identity on the forward outputs whose backward runs first and tells the reducer.
+
+    [Note: why a sink] The reducer's end-of-backward callback must be queued on the *outer*
+    backward. Queued from the first gradient hook, it would land on a nested backward when
+    that hook fires inside reentrant activation checkpointing, and run too early.
+    """
+
+    @staticmethod
+    def forward(ctx, reducer_ref, *tensors):
+        ctx.set_materialize_grads(False)
+        ctx.reducer_ref = reducer_ref
+        # Clones, not views: users may modify outputs in place (PyTorch's sink clones too).
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reducer = ctx.reducer_ref()
+        if reducer is not None:
+            reducer.backward_started()
+        return (None, *grads)
+
+
+def _attach_sink(output: Any, reducer: Reducer) -> Any:
+    leaves, spec = tree_flatten(output)
+    where = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not where:
+        return output
+    sunk = _BackwardSink.apply(weakref.ref(reducer), *(leaves[i] for i in where))
+    for i, t in zip(where, sunk):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
+
+
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism: one replica per rank, gradients averaged across ranks in backward.
 
     Drop-in for ``torch.nn.parallel.DistributedDataParallel``: same arguments, same
-    ``module.``-prefixed ``state_dict()``, and on two CPU ranks the same parameters bit for
-    bit after any number of steps.
+    ``module.``-prefixed ``state_dict()``, ``no_sync()``, ``join()``,
+    ``register_comm_hook()``, and on two CPU ranks the same parameters bit for bit after
+    any number of steps. Without a process group (a world of one) it is a transparent
+    wrapper.
 
     Args:
         module: the model, already on its device. Every rank must build the same model.
         device_ids: ``[local_rank]`` for a single-device CUDA module (inputs are moved
             there); None for CPU modules or to use the module's device. Default None.
-        output_device: accepted for compatibility; outputs stay where the module puts them.
-            Default None.
+        output_device: accepted for compatibility; outputs stay where the module puts them
+            (as with PyTorch's single-device DDP). Default None.
+        dim: accepted for compatibility (PyTorch's single-device DDP does not scatter either).
+            Default 0.
         broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from rank 0 at the
             start of each training forward. Default True.
         process_group: group to reduce over. Default None (the whole world).
@@ -123,10 +163,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         find_unused_parameters: walk the autograd graph from the forward outputs and treat
             parameters it cannot reach as ready (zero contribution); a parameter unused on
             every rank keeps its ``.grad`` untouched. Default False.
+        check_reduction: deprecated in PyTorch and ignored; warns once when True. Default False.
         gradient_as_bucket_view: make ``.grad`` views into the flat bucket buffers (no
             copy-out, less memory). Default False.
         static_graph: the set of used parameters and the number of times each one is used
-            are the same every iteration; learnt in the first iteration. Default False.
+            are the same every iteration; learnt in the first iteration. Allows a parameter
+            to receive its gradient several times per backward (reentrant activation
+            checkpointing). Default False.
 
     Raises:
         ValueError: the ranks built different models (every rank raises, naming the first
@@ -165,6 +208,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.bucket_cap_mb = bucket_cap_mb
+        if check_reduction:
+            env._warn_once_main("DistributedDataParallel(check_reduction=True) is deprecated and does nothing")
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
@@ -245,6 +290,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if grad_sync:
             self.require_forward_param_sync = True
             reducer.prepare_for_backward(output if self.find_unused_parameters and not self.static_graph else None)
+            output = _attach_sink(output, reducer)
         else:
             self.require_forward_param_sync = False
         return output

@@ -99,7 +99,9 @@ class _RootState:
     def __init__(self, backward_prefetch: bool) -> None:
         self.backward_prefetch = backward_prefetch
         self.sync_grads = True  # False inside no_sync()
-        self.forward_order: list[FlatParamUnit] = []  # units in the order their forward ran
+        # Units in the order their forward *finished*: backward runs them in reverse (the root,
+        # whose forward encloses all others, finishes last and is the first in backward).
+        self.forward_order: list[FlatParamUnit] = []
         self._position: dict[int, int] = {}
         self.pending: list[tuple] = []  # (unit, work, out, grad) reductions in flight
         self.finalize_queued = False
@@ -115,7 +117,7 @@ class _RootState:
             self.forward_order.append(unit)
 
     def next_in_backward(self, unit: FlatParamUnit) -> FlatParamUnit | None:
-        # Backward visits units in reverse forward order; the one before us comes next.
+        # Backward visits units in reverse order of forward completion; the one before us is next.
         i = self._position.get(id(unit))
         if not i:
             return None

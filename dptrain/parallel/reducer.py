@@ -2,8 +2,9 @@
 
 Parameters that require a gradient are packed into flat *buckets*, in reverse registration
 order (the order backward usually produces their gradients). Each parameter carries one
-post-accumulate-grad hook; when every gradient of a bucket is ready, the bucket is filled
-(one ``cat`` and one scale) and an asynchronous all-reduce is launched, so communication
+post-accumulate-grad hook that copies the gradient into its slot of the bucket (scaled by
+``1 / world_size``); when every gradient of a bucket is in, an asynchronous all-reduce of
+the bucket is launched, so communication
 overlaps the rest of backward. Buckets are launched strictly in order, the same on every
 rank. A callback queued on the autograd engine runs once backward is over: it waits for
 the buckets and writes the averaged gradients back into ``param.grad``.
@@ -107,7 +108,7 @@ class GradBucket:
 class _Bucket:
     """One flat buffer and the parameters packed into it."""
 
-    __slots__ = ("index", "indices", "params", "flat", "buffer", "views", "view_ptrs", "numel")
+    __slots__ = ("index", "indices", "params", "flat", "buffer", "views", "numel")
 
     def __init__(self, index: int, indices: list[int], params: list[torch.nn.Parameter], status_slot: bool) -> None:
         self.index = index
@@ -123,7 +124,6 @@ class _Bucket:
         for p in self.params:
             self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
-        self.view_ptrs = [v.data_ptr() for v in self.views]
 
 
 def _find_tensors(obj: Any, out: list) -> list:
@@ -214,6 +214,10 @@ class Reducer:
             for i in bucket.indices:
                 self._bucket_of[i] = bucket.index
         self._bucket_count = [len(b.indices) for b in self.buckets]
+        self._views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        for bucket in self.buckets:
+            for i, view in zip(bucket.indices, bucket.views):
+                self._views[i] = view
         self.comm_hook: Callable | None = None
         self.comm_hook_state: Any = None
         self.num_iterations = 0  # synced backward passes so far
@@ -227,14 +231,19 @@ class Reducer:
         self._first_hook_seen = False
         self._unused_now: list[int] = []
         self._div: int | None = None
+        self._inv = 1.0
         self._div_work: Any = None
         self._error: str | None = None
+        self._status_event: Any = None  # CUDA: event after copying the last bucket's status slot
+        self._status_host: torch.Tensor | None = None
         # Locally used parameters since the last synced backward (find_unused / static graph).
         self._local_used = bytearray(len(self.params))
         self._global_unused: list[bool] | None = None
+        self._used_reduced: torch.Tensor | None = None  # the all-reduced used map, reused in place
         # static_graph: how many times each hook fires per backward, learnt in iteration 1.
         self._static_counts: list[int] | None = None
         self._static_remaining: list[int] = []
+        self._hook_counts: list[int] = []
 
         self_ref = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(_make_hook(self_ref, i)) for i, p in enumerate(self.params)]
@@ -244,8 +253,21 @@ class Reducer:
             h.remove()
 
     # ------------------------------------------------------------------ forward side
+    def _other_ranks_failed(self, count: int) -> str:
+        return (
+            f"DistributedDataParallel on rank {dist.get_rank()}: in the previous backward {count} other "
+            "rank(s) produced no gradient for some parameters (their error names them). Pass "
+            "find_unused_parameters=True to DistributedDataParallel(...) when the set of parameters used "
+            "in forward can differ between ranks or iterations."
+        )
+
     def check_prior_reduction(self) -> None:
         """Raise the error recorded by the previous backward (parameters that got no grad)."""
+        if self._status_event is not None:
+            self._status_event.synchronize()
+            self._status_event = None
+            if self._error is None and self._status_host.item() > 0:
+                self._error = self._other_ranks_failed(int(self._status_host.item()))
         if self._error is not None:
             msg, self._error = self._error, None
             raise RuntimeError(msg)
@@ -281,18 +303,29 @@ class Reducer:
         return self.find_unused_parameters or self._static_first_iteration
 
     # ------------------------------------------------------------------ backward side
+    def backward_started(self) -> None:
+        """Start of a synced backward: queue the end-of-backward callback, mark unused params ready.
+
+        Called by the sink that DistributedDataParallel puts on the forward outputs, so the
+        callback belongs to the outer backward even when the first gradient hook fires inside
+        a reentrant (checkpointed) backward; the first hook calls it when there is no sink.
+        """
+        if not self._expect_hooks or self._first_hook_seen:
+            return
+        self._first_hook_seen = True
+        Variable._execution_engine.queue_callback(self._finalize_backward)
+        if self._static_first_iteration:
+            self._hook_counts = [0] * len(self.params)
+        for j in self._unused_now:
+            self._mark_ready(j)
+
     def _on_grad_ready(self, i: int) -> None:
         if self._tracks_used and self.params[i].grad is not None:
             self._local_used[i] = 1
         if not self._expect_hooks:
             return  # no_sync / eval forward: plain local accumulation
         if not self._first_hook_seen:
-            self._first_hook_seen = True
-            Variable._execution_engine.queue_callback(self._finalize_backward)
-            if self._static_first_iteration:
-                self._hook_counts = [0] * len(self.params)
-            for j in self._unused_now:
-                self._mark_ready(j)
+            self.backward_started()
         if self._static_first_iteration:
             self._hook_counts[i] += 1  # reduction is delayed to the end of this backward
             return
@@ -311,6 +344,9 @@ class Reducer:
 
     def _mark_ready(self, i: int) -> None:
         self._ready[i] = 1
+        if self._div is None:
+            self._divisor()
+        self._copy_in(i)
         b = self._bucket_of[i]
         self._pending[b] -= 1
         if self._pending[b] == 0 and b == self._next_bucket:
@@ -323,51 +359,40 @@ class Reducer:
             self._div = self.world_size
             if self._div_work is not None:
                 self._div_work.wait()
-                self._div = int(self._div_work.result()[0].item())
+                self._div = int(self._div_work.get_future().value()[0].item())
                 self._div_work = None
+            self._inv = 1.0 / self._div
         return self._div
 
-    def _fill(self, bucket: _Bucket, divide: bool) -> None:
-        """Copy the bucket's gradients into its buffer, divided by the world size when ``divide``."""
-        grads = [p.grad for p in bucket.params]
-        as_view = self.gradient_as_bucket_view
-        aliased = [g is not None and as_view and g.data_ptr() == ptr for g, ptr in zip(grads, bucket.view_ptrs)]
-        if any(g is None for g in grads) or (any(aliased) and not all(aliased)):
-            # Rare mixed case (unused parameters, grads reset to None): one parameter at a time.
-            div = self._divisor() if divide else 1
-            for p, g, view, alias in zip(bucket.params, grads, bucket.views, aliased):
-                if g is None:
-                    view.zero_()
-                elif alias:
-                    if divide:
-                        view.div_(div)
-                else:
-                    if divide:
-                        torch.mul(g, 1.0 / div, out=view)
-                    else:
-                        view.copy_(g)
-                    if as_view:
-                        p.grad = view
+    def _copy_in(self, i: int) -> None:
+        """Copy parameter ``i``'s gradient into its bucket view as soon as it is ready.
+
+        Copying on arrival (as PyTorch does) hides the copies inside backward; only the last
+        gradient's copy stands between a full bucket and its all-reduce.
+        """
+        p, view = self.params[i], self._views[i]
+        g = p.grad
+        divide = self.comm_hook is None  # a hook divides by itself (PyTorch's contract)
+        if g is None:
+            view.zero_()  # unused here: contribute zeros
             return
-        if all(aliased):
+        if self.gradient_as_bucket_view and g.data_ptr() == view.data_ptr():
             if divide:
-                bucket.buffer.div_(self._divisor())  # what PyTorch does to a gradient that is a bucket view
+                view.div_(self._divisor())  # what PyTorch does to a gradient that is a bucket view
             return
-        torch.cat([g.reshape(-1) for g in grads], out=bucket.buffer)
         if divide:
-            bucket.buffer.mul_(1.0 / self._divisor())
-        if as_view:
-            for p, view in zip(bucket.params, bucket.views):
-                p.grad = view
+            torch.mul(g, self._inv, out=view)  # scale while copying: PyTorch's mul_out(view, grad, 1/div)
+        else:
+            view.copy_(g)
+        if self.gradient_as_bucket_view:
+            p.grad = view
 
     def _launch(self, bucket: _Bucket) -> None:
         if self.comm_hook is None:
-            self._fill(bucket, divide=True)
             if bucket.flat.numel() > bucket.numel:
                 bucket.flat[-1] = float(self._error is not None)
             self._works[bucket.index] = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
         else:
-            self._fill(bucket, divide=False)
             self._works[bucket.index] = self._run_hook(bucket, bucket.buffer)
 
     def _run_hook(self, bucket: _Bucket, buffer: torch.Tensor) -> Any:
@@ -397,6 +422,12 @@ class Reducer:
             for i in range(len(self.params)):
                 self._mark_ready(i)
         write_back = True
+        if self.find_unused_parameters and self._next_bucket < len(self.buckets):
+            # Reachable from the outputs but no gradient arrived (e.g. an output left out of the
+            # loss): with find_unused_parameters that is just one more unused parameter.
+            for i in range(len(self.params)):
+                if not self._ready[i]:
+                    self._mark_ready(i)
         if self._next_bucket < len(self.buckets):
             missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
             self._error = (
@@ -416,19 +447,22 @@ class Reducer:
         used_work = used = None
         if track_used:
             device = self.params[0].device
-            used = torch.tensor(list(self._local_used), dtype=torch.int32, device=device)
+            used = self._used_map(device)
+            used.copy_(torch.tensor(list(self._local_used), dtype=torch.int32))
             used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
         results = [self._wait(bucket, work) for bucket, work in zip(self.buckets, self._works)]
-        last = self.buckets[-1]
-        if self.comm_hook is None and self._error is None and last.flat[-1].item() > 0:
-            # Another rank left parameters without gradient: fail here too instead of hanging later.
-            write_back = False
-            self._error = (
-                f"DistributedDataParallel on rank {dist.get_rank()}: in the previous backward "
-                f"{int(last.flat[-1].item())} other rank(s) produced no gradient for some parameters (their "
-                "error names them). Pass find_unused_parameters=True to DistributedDataParallel(...) when the "
-                "set of parameters used in forward can differ between ranks or iterations."
-            )
+        if self.comm_hook is None and self._error is None:
+            status = self.buckets[-1].flat[-1:]
+            if status.is_cuda:
+                # Read it at the next forward, through pinned memory and an event: an .item()
+                # here would stall the host on every step.
+                self._status_host = torch.empty(1, dtype=status.dtype, pin_memory=True)
+                self._status_host.copy_(status, non_blocking=True)
+                self._status_event = torch.cuda.Event()
+                self._status_event.record()
+            elif status.item() > 0:
+                write_back = False
+                self._error = self._other_ranks_failed(int(status.item()))
         if used_work is not None:
             used_work.wait()
             self._global_unused = [u == 0 for u in used.tolist()]
@@ -474,6 +508,11 @@ class Reducer:
         if copy_to:
             torch._foreach_copy_(copy_to, copy_from)
 
+    def _used_map(self, device: torch.device) -> torch.Tensor:
+        if self._used_reduced is None:
+            self._used_reduced = torch.zeros(len(self.params), dtype=torch.int32, device=device)
+        return self._used_reduced
+
     # ------------------------------------------------------------------ join
     def shadow_backward(self) -> None:
         """For a rank that has joined: run the collectives of one synced backward with zeros."""
@@ -487,8 +526,10 @@ class Reducer:
         for w in works:
             w.wait()
         if self._tracks_used:
-            used = torch.zeros(len(self.params), dtype=torch.int32, device=self.params[0].device)
-            dist.all_reduce(used, group=self.process_group)
+            # [Note: join and the used map] Like PyTorch, a joined rank contributes the map left
+            # from its last reduction (reduced in place, so it only grows), not zeros: parameters
+            # used before it joined count as used, and get zero gradients instead of None.
+            dist.all_reduce(self._used_map(self.params[0].device), group=self.process_group)
 
 
 def _make_hook(reducer_ref: "weakref.ref[Reducer]", index: int) -> Callable[[torch.Tensor], None]:

@@ -53,6 +53,20 @@ class UnusedBranch(nn.Module):
         return self.b(h)
 
 
+class TwoHeads(nn.Module):
+    """Returns (logits, aux); the tests' loss uses only the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+        self.aux = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.head(h), self.aux(h)
+
+
 class Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -77,6 +91,26 @@ class Frozen(nn.Module):
         return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
 
 
+class Checkpointed(nn.Module):
+    """Reentrant activation checkpointing; with ``twice`` one layer runs in two segments."""
+
+    def __init__(self, twice: bool = False) -> None:
+        super().__init__()
+        self.twice = twice
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.relu(self.a(x))
+        h = checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=True)
+        if self.twice:
+            h = checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=True)
+        return self.c(h)
+
+
 MODELS = {
     "mlp": lambda: MLP([6, 16, 16, 3]),
     "convbn": ConvBN,
@@ -85,11 +119,14 @@ MODELS = {
     "tied": Tied,
     "frozen": Frozen,
 }
+EXTRA_MODELS = {"two_heads": TwoHeads, "ckpt": Checkpointed, "ckpt_twice": lambda: Checkpointed(twice=True)}
 
 
 def make_batch(model: str, rank: int, step: int, batch: int = 4):
     """Deterministic per-(rank, step) data, so any process can rebuild another rank's batch."""
     g = torch.Generator().manual_seed(1000 * step + rank)
+    if model.startswith("ckpt") or model == "two_heads":
+        model = "mlp"
     if model == "convbn":
         x = torch.randn(batch, 3, 6, 6, generator=g)
     elif model == "lstm":
@@ -114,7 +151,7 @@ def build_pair(model: str, rank: int, ddp_kwargs: dict, seed: int = 7):
     """Our DDP and PyTorch's on identical copies of one model (rank-dependent init: the
     constructors must broadcast rank 0's weights)."""
     torch.manual_seed(seed + rank)
-    base = MODELS[model]()
+    base = {**MODELS, **EXTRA_MODELS}[model]()
     ours = dptrain.DDP(copy.deepcopy(base), **ddp_kwargs)
     theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
     return ours, theirs

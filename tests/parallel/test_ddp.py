@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 import dptrain
 from tests._dist import run_ranks
-from tests.parallel._ddp_models import MODELS, build_pair, make_batch, make_optimizer, snapshot, train_step
+from tests.parallel._ddp_models import EXTRA_MODELS, MODELS, build_pair, make_batch, make_optimizer, snapshot, train_step
 
 STEPS = 3
 
@@ -150,32 +150,47 @@ def test_no_sync_accumulation_equals_large_batch():
             torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
 
 
-def _join(rank, divide_by_initial_world_size):
+def _join(rank, configs):
     num_batches = 3 if rank == 0 else 5
-    ours, theirs = build_pair("convbn", rank, {})
-    out = []
-    for model in (ours, theirs):
-        opt = make_optimizer("sgd", model.parameters())
-        with model.join(divide_by_initial_world_size=divide_by_initial_world_size):
-            for step in range(num_batches):
-                x, y = make_batch("convbn", rank, step)
-                train_step(model, opt, x, y)
-        out.append({k: v.clone() for k, v in model.module.state_dict().items()})
-    return out
+    results = []
+    for model_name, kw, divide in configs:
+        ours, theirs = build_pair(model_name, rank, kw)
+        out = []
+        for model in (ours, theirs):
+            opt = make_optimizer("sgd", model.parameters())
+            with model.join(divide_by_initial_world_size=divide):
+                for step in range(num_batches):
+                    x, y = make_batch(model_name, rank, step)
+                    train_step(model, opt, x, y)
+            out.append({k: v.clone() for k, v in model.module.state_dict().items()})
+        results.append(out)
+    return results
 
 
-@pytest.mark.parametrize("divide", [True, False])
-def test_join_uneven_inputs_matches_torch(divide):
-    results = run_ranks(_join, 2, divide)
-    for ours, theirs in results:
-        _assert_same(ours, theirs, exact=True, label=f"join divide={divide}")
-    # The model ends identical on both ranks (copied from the last joiner).
-    _assert_same(results[0][0], results[1][0], exact=True, label="ranks agree")
+JOIN_CONFIGS = [
+    ("convbn", {}, True),  # buffers come from the highest rank still training
+    ("convbn", {"bucket_cap_mb": 0.0005}, False),  # divide by the ranks still training
+    ("unused", {"find_unused_parameters": True}, True),
+]
+
+
+def test_join_uneven_inputs_matches_torch():
+    results = run_ranks(_join, 2, JOIN_CONFIGS)
+    for cfg, r0, r1 in zip(JOIN_CONFIGS, results[0], results[1]):
+        for ours, theirs in (r0, r1):
+            _assert_same(ours, theirs, exact=True, label=f"join {cfg}")
+        # The model ends identical on both ranks (copied from the last joiner).
+        _assert_same(r0[0], r1[0], exact=True, label=f"ranks agree {cfg}")
 
 
 def _static_graph(rank):
     out = []
-    for model, kw in (("mlp", {"static_graph": True}), ("unused", {"static_graph": True})):
+    for model, kw in (
+        ("mlp", {"static_graph": True}),
+        ("unused", {"static_graph": True}),
+        ("ckpt", {}),  # reentrant checkpointing: hooks fire inside a nested backward
+        ("ckpt_twice", {"static_graph": True}),  # 'b' receives its gradient twice per backward
+    ):
         ours, theirs = build_pair(model, rank, kw)
         opt_o, opt_t = make_optimizer("sgd", ours.parameters()), make_optimizer("sgd", theirs.parameters())
         for step in range(3):
@@ -188,7 +203,7 @@ def _static_graph(rank):
     return out
 
 
-def test_static_graph_matches_torch():
+def test_static_graph_and_checkpointing_match_torch():
     for rank_out in run_ranks(_static_graph, 2):
         for ours, theirs in rank_out:
             _assert_same(ours, theirs, exact=True, label="static_graph")
@@ -197,22 +212,26 @@ def test_static_graph_matches_torch():
 
 
 def _unused_grads(rank):
-    ours, theirs = build_pair("unused", rank, {"find_unused_parameters": True})
     res = []
-    for model in (ours, theirs):
-        x, y = make_batch("unused", rank, 0)
-        x[0, 0] = 1.0 if rank == 0 else -1.0  # 'sometimes' used on rank 0 only
-        F.cross_entropy(model(x), y).backward()
-        res.append(snapshot(model))
+    for name in ("unused", "two_heads"):
+        ours, theirs = build_pair(name, rank, {"find_unused_parameters": True})
+        for model in (ours, theirs):
+            x, y = make_batch(name, rank, 0)
+            x[0, 0] = 1.0 if rank == 0 else -1.0  # 'sometimes' used on rank 0 only
+            out = model(x)
+            F.cross_entropy(out[0] if name == "two_heads" else out, y).backward()  # 'aux' output unused
+            res.append(snapshot(model))
     return res
 
 
 def test_find_unused_globally_and_locally_unused():
     results = run_ranks(_unused_grads, 2)
-    for ours, theirs in results:
+    for ours, theirs, ours_heads, theirs_heads in results:
         _assert_same(ours, theirs, exact=True, label="unused")
         assert ours["grad:never.weight"] is None  # unused everywhere: untouched
         assert ours["grad:sometimes.weight"] is not None  # used on rank 0: averaged everywhere
+        _assert_same(ours_heads, theirs_heads, exact=True, label="output left out of the loss")
+        assert ours_heads["grad:aux.weight"] is None
     assert torch.equal(results[0][0]["grad:sometimes.weight"], results[1][0]["grad:sometimes.weight"])
 
 
@@ -319,3 +338,19 @@ def test_parameter_unused_on_one_rank_without_flag_fails_everywhere():
     assert msg1 is not None and "on rank 1" in msg1 and "'sometimes.weight'" in msg1
     assert msg0 is not None and "on rank 0" in msg0 and "1 other rank(s)" in msg0
     assert "find_unused_parameters=True" in msg0
+
+
+def _twice_without_static(rank):
+    torch.manual_seed(0)
+    ddp = dptrain.DDP(EXTRA_MODELS["ckpt_twice"]())
+    x, y = make_batch("mlp", rank, 0)
+    try:
+        F.cross_entropy(ddp(x), y).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_gradient_twice_without_static_graph_is_a_clear_error():
+    for rank, msg in enumerate(run_ranks(_twice_without_static, 2, timeout=30)):
+        assert msg is not None and f"rank {rank}" in msg and "parameter 'b." in msg and "static_graph=True" in msg

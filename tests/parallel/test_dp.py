@@ -129,3 +129,18 @@ def test_errors_and_exports():
     with pytest.raises(RuntimeError, match=r"replica 1 on cpu failed: KeyError"):
         DataParallel(Boom(), device_ids=["cpu", "cpu"])(torch.randn(5, 2))
     assert dptrain.DataParallel is DataParallel
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_two_devices_match_full_batch():
+    torch.manual_seed(0)
+    plain = _ConvBN().cuda().eval()
+    dp = DataParallel(copy.deepcopy(plain), device_ids=[0, 1])
+    x = torch.randn(6, 3, 5, 5, device="cuda")
+    out_dp, out = dp(x), plain(x)
+    assert out_dp.device == torch.device("cuda", 0)
+    torch.testing.assert_close(out_dp, out, rtol=1e-5, atol=1e-5)
+    out_dp.sum().backward()
+    out.sum().backward()
+    for p_dp, p in zip(dp.module.parameters(), plain.parameters()):
+        torch.testing.assert_close(p_dp.grad, p.grad, rtol=1e-4, atol=1e-5)

@@ -171,9 +171,10 @@ def _prefetch_rank(rank, prefetch):
 def test_backward_prefetch_overlaps_next_unit_gather():
     with_prefetch = run_ranks(_prefetch_rank, 2, True)
     without = run_ranks(_prefetch_rank, 2, False)
-    # Backward runs block 1 then block 0. With prefetch, block 1's pre-backward starts block
-    # 0's gather asynchronously; without, each block gathers synchronously when reached.
-    assert with_prefetch[0][0] == [(1, False), (0, True)]
+    # Backward runs the root (already gathered), block 1, block 0. With prefetch, the root's
+    # pre-backward starts block 1's gather asynchronously and block 1's starts block 0's;
+    # without, each block gathers synchronously when backward reaches it.
+    assert with_prefetch[0][0] == [(1, True), (0, True)]
     assert without[0][0] == [(1, False), (0, False)]
     for (_, g1), (_, g2) in zip(with_prefetch, without):
         assert all(torch.equal(a, b) for a, b in zip(g1, g2))
@@ -300,3 +301,22 @@ def test_eval_forward_without_grad_frees_everything():
     # world 1 pads nothing, but the gathered copy is still a separate buffer that must be freed
     assert all(u.full_param.untyped_storage().size() == 0 for u in fsdp._units)
     assert isinstance(fsdp, FullyShardedDataParallel) and dptrain.FSDP is FullyShardedDataParallel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_cpu_offload_single_process_matches_plain():
+    torch.manual_seed(0)
+    plain = _transformer().cuda()
+    fsdp = FSDP(copy.deepcopy(plain), auto_wrap_policy=ModuleTypePolicy({TransformerBlock}), cpu_offload=True, device_id=0)
+    assert all(p.device.type == "cpu" for p in fsdp.parameters())
+    opts = [torch.optim.Adam(m.parameters(), lr=LR) for m in (fsdp, plain)]
+    for _ in range(2):
+        x = torch.randint(0, 32, (2, 8), device="cuda")
+        for m, opt in zip((fsdp, plain), opts):
+            opt.zero_grad()
+            _loss(m(x)).backward()
+            opt.step()
+    assert all(p.grad.device.type == "cpu" for p in fsdp.parameters())
+    full = fsdp.full_state_dict()
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(full[k], v.cpu(), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,189 @@
+"""The example programs, end to end on 2 ranks with tiny settings, and their data readers."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dptrain import checkpoint
+from dptrain.models import ResNet18
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+sys.path.insert(0, EXAMPLES)
+import _data  # noqa: E402  (examples/_data.py)
+
+
+def _launch(script: str, *args: str, nproc: int = 2, cwd: str, timeout: float = 150) -> list[str]:
+    """Run ``python -m dptrain run --nproc-per-node N examples/<script> args``; return stdout lines."""
+    cmd = [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", str(nproc), os.path.join(EXAMPLES, script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return [line for line in proc.stdout.splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------ image classification --
+
+
+def test_image_classification_on_digits(tmp_path):
+    lines = _launch(
+        "image_classification.py", "--num_epochs", "2", "--width", "4", "--batch_size", "32",
+        "--model_dir", str(tmp_path / "m"), "--model_filename", "r.pth", "--log_dir", str(tmp_path / "tb"),
+        cwd=str(tmp_path),
+    )
+    m = re.fullmatch(r"\[rank0\] test accuracy: (\d\.\d{4})", lines[-1])
+    assert m, lines[-5:]
+    assert 0.5 < float(m.group(1)) <= 1.0  # chance is 0.1; two short epochs reach about 0.85
+    assert any(re.match(r"\[rank0\] epoch 2/2 \| train loss [\d.]+ \| dev loss [\d.]+ accuracy [\d.]+ \|", l) for l in lines)
+    assert not any(l.startswith("[rank1]") for l in lines)  # only rank 0 prints
+    # the saved model loads into a plain ResNet18; the safetensors export matches it
+    plain = ResNet18(num_classes=10, in_channels=1, width=4)
+    weights = checkpoint.load(tmp_path / "m" / "r.pth")
+    checkpoint.load_model_state(plain, weights)
+    exported = checkpoint.load_safetensors(tmp_path / "m" / "r.safetensors")
+    assert all(torch.equal(exported[k], v) for k, v in plain.state_dict().items())
+    assert checkpoint.latest_checkpoint(tmp_path / "m" / "checkpoints").endswith("ckpt-e0002-s000000042.pt")
+
+
+def _fake_cifar(directory, seed=0, n_train=(24, 20), n_test=18):
+    rng = np.random.RandomState(seed)
+    os.makedirs(directory, exist_ok=True)
+    made = {}
+    for i, n in enumerate(n_train, start=1):
+        labels = rng.randint(0, 10, n)
+        # class-dependent brightness, so that the content is checkable after loading
+        imgs = (labels[:, None, None, None] * 20 + rng.randint(0, 20, (n, 3, 32, 32))).astype(np.uint8)
+        _data.write_cifar_batch(os.path.join(directory, f"data_batch_{i}"), imgs, labels)
+        made[f"data_batch_{i}"] = (imgs, labels)
+    labels = rng.randint(0, 10, n_test)
+    imgs = (labels[:, None, None, None] * 20 + rng.randint(0, 20, (n_test, 3, 32, 32))).astype(np.uint8)
+    _data.write_cifar_batch(os.path.join(directory, "test_batch"), imgs, labels)
+    made["test_batch"] = (imgs, labels)
+    return made
+
+
+def test_cifar_reader_reads_the_python_batch_format(tmp_path):
+    made = _fake_cifar(tmp_path / "cifar-10-batches-py")
+    train, dev, test = _data.load_cifar10(str(tmp_path), seed=0, dev_fraction=0.25)  # the parent folder works too
+    assert len(train) + len(dev) == 44 and len(dev) == 11 and len(test) == 18
+    x, y = test.tensors
+    assert x.shape == (18, 3, 32, 32) and x.dtype == torch.float32
+    imgs, labels = made["test_batch"]
+    assert y.tolist() == labels.tolist()
+    mean, std = torch.tensor(_data.CIFAR_MEAN).view(3, 1, 1), torch.tensor(_data.CIFAR_STD).view(3, 1, 1)
+    torch.testing.assert_close(x[5] * std + mean, torch.from_numpy(imgs[5]).float() / 255)
+    all_train = torch.cat([train.tensors[1], dev.tensors[1]]).sort().values
+    expect = np.concatenate([made["data_batch_1"][1], made["data_batch_2"][1]])
+    assert all_train.tolist() == sorted(expect.tolist())
+    with pytest.raises(FileNotFoundError, match="no CIFAR-10 python batches"):
+        _data.load_cifar10(str(tmp_path / "nothing"), seed=0)
+    with open(tmp_path / "cifar-10-batches-py" / "test_batch", "wb") as fh:
+        pickle.dump({b"data": os.system, b"labels": []}, fh)  # a pickle that would call code
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
+        _data.load_cifar10(str(tmp_path), seed=0)
+
+
+def test_image_classification_on_cifar_files(tmp_path):
+    _fake_cifar(tmp_path / "cifar")
+    lines = _launch(
+        "image_classification.py", "--data-dir", str(tmp_path / "cifar"), "--num_epochs", "1", "--width", "4",
+        "--batch_size", "8", "--model_dir", str(tmp_path / "m"), cwd=str(tmp_path),
+    )
+    assert re.fullmatch(r"\[rank0\] test accuracy: \d\.\d{4}", lines[-1]), lines[-5:]
+    weights = checkpoint.load(tmp_path / "m" / "resnet_distributed.pth")
+    assert weights["conv1.weight"].shape == (4, 3, 3, 3)  # 3 input channels: CIFAR, not digits
+
+
+# --------------------------------------------------------------------------- SMILES -----
+
+
+def test_synthetic_smiles_follow_the_stated_rule():
+    smiles, labels = _data.synthetic_smiles(300, seed=3)
+    assert smiles == _data.synthetic_smiles(300, seed=3)[0]
+    assert 0.2 < sum(labels) / len(labels) < 0.8  # both classes well represented
+    for s, y in zip(smiles, labels):
+        assert y == int(sum(c in "NOno" for c in s) <= 3)
+    assert _data.count_n_o("CC(=O)Nc1ccc(O)cc1") == 3 and _data.count_n_o("[Na+].[Cl-]") == 0
+
+
+def test_bbbp_csv_reader(tmp_path):
+    path = tmp_path / "BBBP.csv"
+    path.write_text("num,name,p_np,smiles\n1,Propanolol,1,[Cl].CC(C)NCC(O)COc1cccc2ccccc12\n2,x,0,CCN\n3,empty,1,\n")
+    assert _data.read_bbbp_csv(str(path)) == (["[Cl].CC(C)NCC(O)COc1cccc2ccccc12", "CCN"], [1, 0])
+    (tmp_path / "bad.csv").write_text("name,label,smiles\nx,1,C\n")
+    with pytest.raises(ValueError, match=r"missing column\(s\) \['p_np'\]"):
+        _data.read_bbbp_csv(str(tmp_path / "bad.csv"))
+    (tmp_path / "bad2.csv").write_text("name,p_np,smiles\nx,yes,C\n")
+    with pytest.raises(ValueError, match="line 2: p_np='yes'"):
+        _data.read_bbbp_csv(str(tmp_path / "bad2.csv"))
+
+
+def _auc_line(lines):
+    m = [re.fullmatch(r"\[rank0\] held-out ROC AUC: (\d\.\d{4}) over (\d+) molecules \(world size 2\)", l) for l in lines]
+    m = [x for x in m if x]
+    assert len(m) == 1, lines[-6:]
+    return float(m[0].group(1)), int(m[0].group(2))
+
+
+def test_smiles_classifier_synthetic_with_tensorboard(tmp_path):
+    lines = _launch(
+        "smiles_classifier.py", "--num_molecules", "200", "--num_epochs", "2", "--embedding_dim", "8", "--hidden_dim", "8",
+        "--model_dir", str(tmp_path / "m"), "--log_dir", str(tmp_path / "tb"), cwd=str(tmp_path),
+    )
+    auc, count = _auc_line(lines)
+    assert count == 20  # 10 % held out, each molecule counted once across the 2 ranks
+    assert 0.0 <= auc <= 1.0
+    assert any("synthetic" in l for l in lines)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert len(acc.Scalars("dev/roc_auc")) == 2 and len(acc.Scalars("test/roc_auc")) == 1
+
+
+def test_smiles_classifier_on_a_bbbp_csv(tmp_path):
+    smiles, labels = _data.synthetic_smiles(150, seed=11)
+    rows = ["num,name,p_np,smiles"] + [f"{i},mol{i},{y},{s}" for i, (s, y) in enumerate(zip(smiles, labels))]
+    (tmp_path / "BBBP.csv").write_text("\n".join(rows) + "\n")
+    lines = _launch(
+        "smiles_classifier.py", "--data-path", str(tmp_path / "BBBP.csv"), "--num_epochs", "1", "--embedding_dim", "8",
+        "--hidden_dim", "8", "--model_dir", str(tmp_path / "m"), "--log_dir", "", cwd=str(tmp_path),
+    )
+    _, count = _auc_line(lines)
+    assert count == 15
+    assert any(l.startswith("[rank0] data: 150 molecules") and "BBBP.csv" in l for l in lines)
+
+
+# ---------------------------------------------------------------- toy model, six steps --
+
+
+def test_toy_model_spawns_its_own_ranks(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "toy_model.py"), "--nprocs", "2", "--num_steps", "3"],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "replicas identical: True" in proc.stdout
+    sums = re.search(r"spawned 2 ranks; checksums \[(\S+), (\S+)\]", proc.stdout)
+    assert sums and sums.group(1) == sums.group(2)
+    assert "Running basic DDP example on rank 1 of 2." in proc.stdout
+
+
+def test_toy_model_under_the_launcher(tmp_path):
+    lines = _launch("toy_model.py", "--num_steps", "3", cwd=str(tmp_path))
+    assert "[rank0] final loss on rank 0:" in lines[-1] and lines[-1].endswith("replicas identical: True")
+
+
+def test_six_steps(tmp_path):
+    lines = _launch("six_steps.py", "--num_epochs", "1", cwd=str(tmp_path))
+    m = re.fullmatch(r"\[rank0\] test accuracy over 501 samples on 2 ranks: (\d\.\d{4})", lines[-1])
+    assert m, lines[-3:]
+    assert float(m.group(1)) > 0.7
