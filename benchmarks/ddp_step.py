@@ -114,7 +114,14 @@ def _ranks(rank, steps, warmup):
         "mlp": _bench_pair(
             rank,
             "mlp",
-            [("ours", ours), ("torch", theirs), ("ours+bf16", ours_bf16), ("torch+fp16", theirs_fp16)],
+            [
+                ("ours", ours),
+                ("torch", theirs),
+                ("ours+bf16", ours_bf16),
+                ("torch+fp16", theirs_fp16),
+                ("ours, bucket_cap_mb=4", lambda m: dptrain.DDP(m, bucket_cap_mb=4)),
+                ("torch, bucket_cap_mb=4", lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=4)),
+            ],
             steps * 2,
             warmup,
         ),
@@ -145,6 +152,8 @@ def main() -> None:
                 ratio = f"{t / r['torch']:.3f}"
             elif variant == "ours+bf16":
                 ratio = f"{t / r['torch']:.3f} (vs torch fp32), {t / r['torch+fp16']:.3f} (vs torch+fp16)"
+            elif variant.startswith("ours, "):
+                ratio = f"{t / r['torch' + variant[4:]]:.3f}"
             print(f"| {label} | {variant} | {t:.4f} | {ratio} | {single[name] / t:.2f} |")
         print(f"| {label} | 1 rank, no DDP | {single[name]:.4f} | | 1.00 |")
 

@@ -15,7 +15,6 @@ It costs a store round trip per rank per collective, so it is off by default.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
@@ -27,7 +26,6 @@ import torch.distributed as dist
 
 from dptrain import env
 
-_local = threading.local()
 _seq: dict[str, int] = {}
 
 # What this rank is doing, published by the heartbeat thread: collectives entered so far,
@@ -98,16 +96,6 @@ def debug_enabled() -> bool:
     return os.environ.get("DPTRAIN_DEBUG", "0") not in ("", "0", "false", "False")
 
 
-@contextlib.contextmanager
-def suspended():
-    prev = getattr(_local, "suspended", False)
-    _local.suspended = True
-    try:
-        yield
-    finally:
-        _local.suspended = prev
-
-
 def _group_key(group: Any) -> str:
     if group is None:
         return "world"
@@ -132,7 +120,7 @@ class CollectiveMismatchError(RuntimeError):
 
 def before_collective(name: str, tensors: Sequence[torch.Tensor], group: Any) -> None:
     enter(name)
-    if not debug_enabled() or getattr(_local, "suspended", False):
+    if not debug_enabled():
         return
     store = env._store()
     if store is None:

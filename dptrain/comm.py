@@ -16,13 +16,10 @@ Every function takes PyTorch's arguments in PyTorch's order and moves bytes with
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-
-from dptrain import env
 
 __all__ = [
     "CollectiveError",
@@ -411,12 +408,3 @@ def all_gather_uneven(tensor: torch.Tensor, group: Any = None) -> list[torch.Ten
     bufs = [torch.empty_like(padded) for _ in range(n)]
     _call("all_gather_uneven", lambda: dist.all_gather(bufs, padded.contiguous(), group=group), [padded], group)
     return [buf[: d[0]] for buf, d in zip(bufs, dims)]
-
-
-@contextlib.contextmanager
-def _no_checks():
-    """Run collectives without the debug cross-check (used by the cross-check itself)."""
-    from dptrain import _diagnostics
-
-    with _diagnostics.suspended():
-        yield

@@ -1,367 +1,41 @@
-"""Start, watch and stop the ranks of a job: ``dptrain run`` and :func:`spawn`.
+"""``dptrain run``: start, watch and stop the ranks of a job on this node.
 
-Both give every rank exactly the environment ``torchrun`` gives its workers, host the
-rendezvous store themselves (so it outlives any rank), and never leave a rank running:
-when one rank fails the others are stopped (TERM, then KILL after a grace period) and the
-failure is reported with the rank, its exit code and the tail of its traceback.
+Gives every rank exactly the environment ``torchrun`` gives its workers, hosts the
+rendezvous store itself (so it outlives any rank), relays each rank's output under a
+``[rankN]`` prefix, and never leaves a rank running: when one rank fails the others are
+stopped (TERM, then KILL after a grace period) and the failure is reported with the rank,
+its exit code and the tail of its traceback. ``--max-restarts`` restarts the whole job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import multiprocessing as mp
-import multiprocessing.connection
 import os
-import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import traceback
 import uuid
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
-__all__ = ["spawn", "RankFailedError", "LaunchConfig", "run_job", "free_port"]
+from dptrain._rendezvous import (
+    GRACE_S,
+    RankFailedError,
+    _describe_exit,
+    _iface_towards,
+    _loopback_ifname,
+    _StoreServer,
+    free_port,
+    rank_environ,
+)
+from dptrain.spawn import spawn
 
-#: Seconds between TERM and KILL when stopping ranks.
-GRACE_S = 3.0
-
-
-class RankFailedError(RuntimeError):
-    """A rank of a job raised or exited non-zero.
-
-    Attributes:
-        rank: the global rank that failed first.
-        exit_code: its exit code (negative: killed by that signal), or None if it raised.
-        traceback_text: the traceback it printed or sent, when there was one.
-    """
-
-    def __init__(self, message: str, rank: int, exit_code: int | None = None, traceback_text: str = ""):
-        super().__init__(message)
-        self.rank = rank
-        self.exit_code = exit_code
-        self.traceback_text = traceback_text
+__all__ = ["LaunchConfig", "run_job", "spawn", "RankFailedError", "free_port", "rank_environ"]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is still running"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
-        return f"was killed by {name}{hint}"
-    return f"exited with code {code}"
-
-
-class _StoreServer:
-    """The rendezvous store, hosted by the launcher and bound to one address only.
-
-    ``TCPStore`` on its own listens on every interface; we bind the socket ourselves (to
-    127.0.0.1 on a single node, to the given master address across nodes) and hand it over.
-    """
-
-    def __init__(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        import torch.distributed as dist
-
-        self.host = host
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-        except OSError as exc:
-            self._sock.close()
-            if port:
-                raise ValueError(
-                    f"port {port} on {host} is not available ({exc.strerror}); pick another with "
-                    f"--master-port, or omit --master-port on a single node to get a free one"
-                ) from None
-            raise ValueError(f"cannot listen on {host} ({exc.strerror}); check --master-addr") from None
-        self._sock.listen(512)
-        self.port = self._sock.getsockname()[1]
-        td = datetime.timedelta(seconds=timeout_s)
-        try:
-            self.store = dist.TCPStore(
-                host, self.port, world_size, True, timeout=td, wait_for_workers=False,
-                master_listen_fd=self._sock.fileno(),
-            )
-        except TypeError:  # torch without master_listen_fd: let the store bind by itself
-            self._sock.close()
-            self.store = dist.TCPStore(host, self.port, world_size, True, timeout=td, wait_for_workers=False)
-
-    def close(self) -> None:
-        self.store = None
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-
-
-def _loopback_ifname() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    for name in ("lo", "lo0"):
-        if name in names:
-            return name
-    return None
-
-
-def _iface_towards(addr: str) -> str | None:
-    """The network interface this host would use to reach ``addr`` (Linux), or None.
-
-    Gloo picks its interface from the host name, which on many machines resolves to
-    127.0.0.1; across nodes that address is useless to the peers. The interface that routes
-    to the master is the one every rank of this node can be reached on.
-    """
-    import fcntl
-    import struct
-
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((addr, 9))  # UDP connect sends nothing; it only picks the route
-            local_ip = probe.getsockname()[0]
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    for name in names:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-            except OSError:
-                continue
-        if socket.inet_ntoa(packed[20:24]) == local_ip:
-            return name
-    return None
-
-
-def rank_environ(
-    *,
-    rank: int,
-    local_rank: int,
-    world_size: int,
-    local_world_size: int,
-    node_rank: int,
-    num_nodes: int,
-    master_addr: str,
-    master_port: int,
-    run_id: str,
-    restart_count: int = 0,
-    max_restarts: int = 0,
-    error_dir: str | None = None,
-) -> dict[str, str]:
-    """The variables ``torchrun`` sets for a worker, with the same names and meanings."""
-    out = {
-        "RANK": str(rank),
-        "GROUP_RANK": str(node_rank),
-        "ROLE_RANK": str(rank),
-        "ROLE_NAME": "default",
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-        "WORLD_SIZE": str(world_size),
-        "GROUP_WORLD_SIZE": str(num_nodes),
-        "ROLE_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
-        "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-    }
-    if error_dir is not None:
-        # Where torch's @record decorator writes a rank's exception as JSON; we read it back
-        # for the failure report, as torchrun does.
-        out["TORCHELASTIC_ERROR_FILE"] = os.path.join(error_dir, f"attempt_{restart_count}", str(rank), "error.json")
-    return out
-
-
-# ---------------------------------------------------------------------------------------
-# spawn(): the in-process launcher
-# ---------------------------------------------------------------------------------------
-
-
-def _spawn_entry(fn, rank, nprocs, port, args, conn, extra_env) -> None:
-    os.environ.update(
-        rank_environ(
-            rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs, node_rank=0,
-            num_nodes=1, master_addr="127.0.0.1", master_port=port, run_id="spawn",
-        )
-    )
-    os.environ.update(extra_env)
-    import dptrain
-
-    # Results travel as plain pickles (bytes): multiprocessing's own pickler would share tensors
-    # through file descriptors that vanish when this process exits.
-    try:
-        result = fn(rank, *args)
-        try:
-            payload = pickle.dumps(("ok", result))
-        except Exception as exc:  # noqa: BLE001 - an unpicklable return value is the caller's bug
-            payload = pickle.dumps(("error", f"rank {rank} returned a value that cannot be sent back: {exc!r}", ""))
-        conn.send_bytes(payload)
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        tb = traceback.format_exc()
-        try:
-            conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", tb)))
-        except Exception:  # noqa: BLE001
-            pass
-        conn.close()
-        os._exit(1)
-    finally:
-        try:
-            dptrain.shutdown()
-        except Exception:  # noqa: BLE001 - the result is already on its way
-            pass
-    conn.close()
-
-
-def _stop_processes(procs: Sequence[Any], grace_s: float = GRACE_S) -> None:
-    """TERM every live process, then KILL what is left after ``grace_s``."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-
-
-def spawn(
-    fn: Callable[..., Any],
-    nprocs: int,
-    args: Sequence[Any] = (),
-    *,
-    timeout: float | None = None,
-    start_method: str = "spawn",
-    env: dict[str, str] | None = None,
-) -> list[Any]:
-    """Run ``fn(rank, *args)`` in ``nprocs`` new processes and return their results.
-
-    The in-process form of ``dptrain run`` for notebooks and tests, shaped like
-    ``torch.multiprocessing.spawn``. Each process gets torchrun's environment (RANK,
-    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, a free MASTER_PORT, ...), so ``dptrain.init()``
-    inside ``fn`` joins the job; the process group is shut down when ``fn`` returns.
-
-    Args:
-        fn: a picklable (module-level) function; called as ``fn(rank, *args)``.
-        nprocs: number of ranks, >= 1.
-        args: extra positional arguments for ``fn``. Default ``()``.
-        timeout: seconds after which every rank still running is killed and
-            ``TimeoutError`` is raised. Default None (no limit).
-        start_method: ``"spawn"`` (default), ``"forkserver"`` or ``"fork"``.
-        env: extra environment variables for the ranks.
-
-    Returns:
-        Each rank's return value, in rank order.
-
-    Raises:
-        ValueError: ``nprocs < 1``.
-        RankFailedError: a rank raised or died; names the rank and carries its traceback.
-            The other ranks are stopped first.
-        TimeoutError: ``timeout`` passed; names the ranks still running.
-
-    Example:
-        >>> def work(rank):
-        ...     dptrain.init()
-        ...     return dptrain.world_size()
-        >>> dptrain.spawn(work, nprocs=2)   # doctest: +SKIP
-        [2, 2]
-    """
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"spawn needs nprocs >= 1, got {nprocs!r}")
-    ctx = mp.get_context(start_method)
-    server = _StoreServer("127.0.0.1", 0, nprocs, timeout_s=timeout or 600.0)
-    extra_env = dict(env or {})
-    if "GLOO_SOCKET_IFNAME" not in os.environ and _loopback_ifname():
-        extra_env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
-    procs, conns = [], []
-    try:
-        for rank in range(nprocs):
-            parent_end, child_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_spawn_entry,
-                args=(fn, rank, nprocs, server.port, tuple(args), child_end, extra_env),
-                name=f"dptrain-rank{rank}",
-            )
-            p.start()
-            child_end.close()
-            procs.append(p)
-            conns.append(parent_end)
-        return _watch_spawned(procs, conns, timeout)
-    finally:
-        _stop_processes(procs)
-        for c in conns:
-            c.close()
-        server.close()
-
-
-def _watch_spawned(procs, conns, timeout) -> list[Any]:
-    n = len(procs)
-    results: list[Any] = [None] * n
-    done = [False] * n
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pending_conns = {c: r for r, c in enumerate(conns)}
-    while not all(done):
-        wait_s = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
-        sentinels = [p.sentinel for rank, p in enumerate(procs) if not done[rank]]
-        ready = mp.connection.wait(list(pending_conns) + sentinels, wait_s)
-        for obj in ready:
-            if obj in pending_conns:
-                rank = pending_conns.pop(obj)
-                try:
-                    msg = pickle.loads(obj.recv_bytes())
-                except EOFError:
-                    continue  # died without a word: the sentinel reports it
-                if msg[0] == "ok":
-                    results[rank] = msg[1]
-                    done[rank] = True
-                else:
-                    _, summary, tb = msg
-                    raise RankFailedError(
-                        f"rank {rank} of {n} failed: {summary}\n\n--- traceback of rank {rank} ---\n{tb}",
-                        rank, None, tb,
-                    )
-        for rank, p in enumerate(procs):
-            if done[rank] or p.is_alive():
-                continue
-            p.join()
-            conn = conns[rank]
-            if conn in pending_conns and conn.poll():
-                continue  # its message is waiting: read it on the next pass
-            if p.exitcode == 0 and not done[rank]:
-                raise RankFailedError(f"rank {rank} of {n} exited without returning a result", rank, 0)
-            if p.exitcode != 0:
-                raise RankFailedError(f"rank {rank} of {n} {_describe_exit(p.exitcode)}", rank, p.exitcode)
-        if deadline is not None and time.monotonic() >= deadline:
-            running = [r for r in range(n) if not done[r]]
-            raise TimeoutError(
-                f"rank(s) {running} of {n} still running after the {timeout:.0f}s timeout; they were killed "
-                f"(a stalled collective or an endless loop?)"
-            )
-    return results
-
-
-# ---------------------------------------------------------------------------------------
-# dptrain run: the command-line launcher
 # ---------------------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ Launch (paste-able)::
 
     # two processes on this machine (CPU or one GPU each)
     dptrain run --nproc-per-node 2 examples/image_classification.py
-    python -m dptrain run --nproc-per-node 2 examples/image_classification.py --num_epochs 8
+    python -m dptrain run --nproc-per-node 2 examples/image_classification.py --num_epochs 12
 
     # the same script under PyTorch's launcher
     torchrun --standalone --nproc-per-node 2 examples/image_classification.py
@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--num_epochs", type=int, default=8, help="number of training epochs")
     p.add_argument("--batch_size", type=int, default=32, help="training batch size of one process")
-    p.add_argument("--learning_rate", type=float, default=0.05, help="peak learning rate (SGD with momentum, one-cycle)")
+    p.add_argument("--learning_rate", type=float, default=0.1, help="peak learning rate (SGD with momentum, one-cycle)")
     p.add_argument("--random_seed", type=int, default=0, help="seed of the model, the split and the shuffling")
     p.add_argument("--model_dir", default="runs/image_classification", help="where checkpoints and the final model go")
     p.add_argument("--model_filename", default="resnet_distributed.pth", help="final model file (weights without 'module.')")

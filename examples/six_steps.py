@@ -8,6 +8,7 @@ The shortest complete data-parallel script: every step is a line or two.
 """
 
 import argparse
+import os
 
 import torch
 from torch import nn
@@ -30,7 +31,11 @@ def main() -> None:
     p.add_argument("--batch_size", type=int, default=32)
     p.add_argument("--learning_rate", type=float, default=0.05)
     p.add_argument("--random_seed", type=int, default=0)
+    p.add_argument("--model_dir", default="runs/six_steps")
+    p.add_argument("--model_filename", default="model.pt")
+    p.add_argument("--resume", action="store_true", help="continue from the saved model, optimizer and epoch")
     args = p.parse_args()
+    path = os.path.join(args.model_dir, args.model_filename)
 
     # 1. Set up the process group (from dptrain run / torchrun / srun; none when alone).
     world = dptrain.init()
@@ -49,14 +54,22 @@ def main() -> None:
     # 4. Train exactly as on one device.
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=args.learning_rate, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    for epoch in range(args.num_epochs):
+    start = 0
+    if args.resume:  # every rank reads the file onto its own device; never unpickles code
+        state = dptrain.checkpoint.load(path, map_location=device)
+        dptrain.checkpoint.load_model_state(ddp_model, state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["epoch"] + 1
+    for epoch in range(start, args.num_epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         for x, y in loader:
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(ddp_model(x.to(device)), y.to(device))
             loss.backward()
             optimizer.step()
-        if dptrain.is_main_process():
+        if dptrain.is_main_process():  # one writer, atomic, weights without "module."
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+            dptrain.checkpoint.save(state, path)
             print(f"epoch {epoch + 1}: last batch loss {loss.item():.4f}", flush=True)
 
     # 6. Gather results: each rank predicts its uneven shard (no padding, no repeats)...

@@ -167,7 +167,8 @@ def test_smiles_classifier_on_a_bbbp_csv(tmp_path):
 
 def test_toy_model_spawns_its_own_ranks(tmp_path):
     proc = subprocess.run(
-        [sys.executable, os.path.join(EXAMPLES, "toy_model.py"), "--nprocs", "2", "--num_steps", "3"],
+        [sys.executable, os.path.join(EXAMPLES, "toy_model.py"), "--nprocs", "2", "--num_epochs", "1", "--steps_per_epoch", "3",
+         "--model_dir", str(tmp_path / "m")],
         cwd=str(tmp_path), capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -175,15 +176,30 @@ def test_toy_model_spawns_its_own_ranks(tmp_path):
     sums = re.search(r"spawned 2 ranks; checksums \[(\S+), (\S+)\]", proc.stdout)
     assert sums and sums.group(1) == sums.group(2)
     assert "Running basic DDP example on rank 1 of 2." in proc.stdout
+    from dptrain.models import ToyModel
+
+    checkpoint.load_model_state(ToyModel(), checkpoint.load(tmp_path / "m" / "toy_model.pt"))
 
 
 def test_toy_model_under_the_launcher(tmp_path):
-    lines = _launch("toy_model.py", "--num_steps", "3", cwd=str(tmp_path))
-    assert "[rank0] final loss on rank 0:" in lines[-1] and lines[-1].endswith("replicas identical: True")
+    lines = _launch("toy_model.py", "--num_epochs", "1", "--model_dir", str(tmp_path / "m"), cwd=str(tmp_path))
+    # (rank 1's greeting may be relayed after rank 0's last line: look at rank 0's lines)
+    rank0 = [l for l in lines if l.startswith("[rank0] ")]
+    assert rank0[-1].startswith("[rank0] final loss on rank 0:") and rank0[-1].endswith("replicas identical: True"), lines
+    assert "[rank1] Running basic DDP example on rank 1 of 2." in lines
 
 
 def test_six_steps(tmp_path):
-    lines = _launch("six_steps.py", "--num_epochs", "1", cwd=str(tmp_path))
+    lines = _launch("six_steps.py", "--num_epochs", "1", "--model_dir", str(tmp_path / "m"), cwd=str(tmp_path))
     m = re.fullmatch(r"\[rank0\] test accuracy over 501 samples on 2 ranks: (\d\.\d{4})", lines[-1])
     assert m, lines[-3:]
     assert float(m.group(1)) > 0.7
+    # --resume continues from the saved epoch (here as a single process: same code, no group)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "six_steps.py"), "--num_epochs", "2", "--resume", "--model_dir", str(tmp_path / "m")],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout.splitlines()
+    assert out[0].startswith("epoch 2:") and not any(l.startswith("epoch 1:") for l in out)
+    assert checkpoint.load(tmp_path / "m" / "model.pt")["epoch"] == 1

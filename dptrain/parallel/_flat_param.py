@@ -135,11 +135,11 @@ class FlatParamUnit:
         self.state = state
         self.is_root = False  # set by the root FSDP: its unit stays gathered after forward
 
+        self.check_params(module, params)
         uniq: dict[int, int] = {}  # id(param) -> index into infos
         self.infos: list[_ParamInfo] = []
         self.aliases: list[tuple[nn.Module, str, int]] = []  # tied weights: (module, name, info index)
         offset = 0
-        dtypes, grads = set(), set()
         first = []
         for owner, name, p in params:
             if id(p) in uniq:
@@ -149,20 +149,8 @@ class FlatParamUnit:
             self.infos.append(_ParamInfo(owner, name, p.shape, p.numel(), offset))
             first.append(p)
             offset += p.numel()
-            dtypes.add(p.dtype)
-            grads.add(p.requires_grad)
-        if len(dtypes) != 1:
-            raise ValueError(
-                f"FSDP flattens a unit's parameters into one tensor, but {type(module).__name__} mixes "
-                f"dtypes {sorted(map(str, dtypes))}; cast the model to one dtype before wrapping"
-            )
-        if len(grads) != 1:
-            raise ValueError(
-                f"FSDP unit {type(module).__name__} mixes frozen and trainable parameters; "
-                "wrap the frozen part as its own unit (auto_wrap_policy) or freeze all of it"
-            )
-        self.dtype = dtypes.pop()
-        self.requires_grad = grads.pop()
+        self.dtype = first[0].dtype
+        self.requires_grad = first[0].requires_grad
         self.numel = offset
         sharded = strategy != ShardingStrategy.NO_SHARD
         self.padded_numel = math.ceil(self.numel / world) * world if sharded else self.numel
@@ -193,8 +181,6 @@ class FlatParamUnit:
                 del owner._parameters[name]
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             p._dptrain_fsdp_flattened = True
-        if "_flat_param" in module._parameters:
-            raise ValueError(f"{type(module).__name__} is already an FSDP unit (it has a _flat_param)")
         module.register_parameter("_flat_param", self.flat_param)
 
         if self.identity:
@@ -212,6 +198,22 @@ class FlatParamUnit:
         self._gather_src = None  # keeps the device copy of an offloaded shard alive while gathering
         if self.requires_grad:
             self.full_param.register_post_accumulate_grad_hook(self._post_backward)
+
+    @staticmethod
+    def check_params(module: nn.Module, params) -> None:
+        """Raise ValueError if ``params`` cannot share one flat tensor."""
+        dtypes = {p.dtype for _, _, p in params}
+        grads = {p.requires_grad for _, _, p in params}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"FSDP flattens a unit's parameters into one tensor, but {type(module).__name__} mixes "
+                f"dtypes {sorted(map(str, dtypes))}; cast the model to one dtype before wrapping"
+            )
+        if len(grads) != 1:
+            raise ValueError(
+                f"FSDP unit {type(module).__name__} mixes frozen and trainable parameters; "
+                "wrap the frozen part as its own unit (auto_wrap_policy) or freeze all of it"
+            )
 
     # -- gather / free -------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -292,6 +294,7 @@ class FlatParamUnit:
         grad = full_param.grad
         if grad is None:
             return
+        state.drain()  # finish the previous unit's reduction first (bounds memory)
         if self.world > 1:
             grad.div_(self.world)  # average, as DDP does: divide, then sum
         if self.identity:
@@ -332,6 +335,18 @@ class FlatParamUnit:
             self.reshard()
         return out
 
+    def load_shard(self, shard: torch.Tensor) -> None:
+        """Overwrite this rank's shard (from a sharded state dict)."""
+        with torch.no_grad():
+            self.flat_param.copy_(shard)
+        self._drop_gathered()
+
+    def _drop_gathered(self) -> None:
+        if self.unsharded and not self.identity:
+            self.wait_unshard()
+            self.unsharded = False  # stale gathered copy; gather again on next use
+            free_storage(self.full_param)
+
     def load_full(self, full: torch.Tensor) -> None:
         """Take this rank's shard of an unpadded full flat tensor."""
         padded = torch.zeros(self.padded_numel, dtype=self.dtype)
@@ -341,6 +356,4 @@ class FlatParamUnit:
                 self.flat_param.copy_(padded)
             else:
                 self.flat_param.copy_(padded[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel])
-        if self.unsharded and not self.identity:
-            self.unsharded = False  # stale gathered copy; regather on next use
-            free_storage(self.full_param)
+        self._drop_gathered()

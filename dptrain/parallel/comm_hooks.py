@@ -13,7 +13,6 @@ with ours.
   feedback and warm start (Vogels et al., 2019).
 """
 
-import math
 from typing import Any
 
 import torch

@@ -69,6 +69,8 @@ def _first_mismatch(descs: list[list[tuple]]) -> str | None:
         for a, b in zip(desc, ref):
             if a == b:
                 continue
+            if a[0] == "setting" and b[0] == "setting":
+                return f"rank {r} passed {a[1]}={a[2]!r} but rank 0 passed {b[1]}={b[2]!r}"
             if (a[0], a[1]) != (b[0], b[1]):
                 return (
                     f"rank {r} holds {a[0]} '{a[1]}' where rank 0 holds {b[0]} '{b[1]}' (same position "
@@ -259,7 +261,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._rank = 0
 
     def _verify_same_model(self) -> None:
-        descs = comm.all_gather_object(_describe(self.module), group=self.process_group)
+        # Settings that shape the collectives must agree too, or buckets would not line up.
+        settings = [
+            ("setting", k, getattr(self, k))
+            for k in ("bucket_cap_mb", "find_unused_parameters", "static_graph", "broadcast_buffers")
+        ]
+        descs = comm.all_gather_object(settings + _describe(self.module), group=self.process_group)
         problem = _first_mismatch(descs)
         if problem is not None:
             raise ValueError(

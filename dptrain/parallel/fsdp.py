@@ -20,6 +20,19 @@ for fp32 Adam instead of DDP's ``16 Psi``). One training step, per unit:
 
 ``no_shard`` replicates everything and all-reduces gradients (DDP's behaviour).
 
+Limits (as in PyTorch's FSDP with flat parameters):
+
+- Outside forward/backward the original parameter attributes (``model.module.fc.weight``)
+  are views of freed storage; read weights through :meth:`full_state_dict`.
+- Every unit that ran forward must get a gradient in the backward that follows, on every
+  rank alike (a unit whose outputs do not reach the loss is not reduced).
+- Wrap the model where it will run: ``.to(device)`` after wrapping is not supported (use
+  ``device_id``). Activation checkpointing that re-runs a unit's forward inside backward is
+  not supported.
+- ``state_dict()`` / ``load_state_dict()`` of the wrapper are nn.Module's (flat shards
+  keyed ``..._flat_param``); checkpoints use :meth:`full_state_dict` or
+  :meth:`sharded_state_dict`.
+
 Wrapping only the root (no ``auto_wrap_policy``) works but gathers the whole model for
 forward and backward: no memory is saved and no communication overlaps compute (seed
 004's "case 1"); FSDP warns once about it.
@@ -30,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,57 +52,9 @@ from torch import nn
 
 from dptrain import comm, env
 from dptrain.parallel._flat_param import FlatParamUnit, ShardingStrategy
+from dptrain.parallel.wrap import ModuleTypePolicy, ParamCountPolicy
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ModuleTypePolicy", "ParamCountPolicy", "ShardingStrategy"]
-
-
-# -- auto-wrap policies -----------------------------------------------------------------------
-class ModuleTypePolicy:
-    """Wrap every submodule whose type is one of ``module_types`` as its own unit.
-
-    Args:
-        module_types: an iterable of ``nn.Module`` subclasses (e.g. ``{TransformerBlock}``).
-
-    Example:
-        >>> FSDP(model, auto_wrap_policy=ModuleTypePolicy({nn.TransformerEncoderLayer}))
-    """
-
-    def __init__(self, module_types: Iterable[type]) -> None:
-        self.module_types = tuple(module_types)
-        bad = [t for t in self.module_types if not (isinstance(t, type) and issubclass(t, nn.Module))]
-        if not self.module_types or bad:
-            raise ValueError(f"ModuleTypePolicy needs nn.Module subclasses, got {list(module_types)!r}")
-
-    def __call__(self, module: nn.Module, nonwrapped_numel: int) -> bool:
-        return isinstance(module, self.module_types)
-
-    def __repr__(self) -> str:
-        return f"ModuleTypePolicy({{{', '.join(t.__name__ for t in self.module_types)}}})"
-
-
-class ParamCountPolicy:
-    """Wrap a submodule once it holds at least ``min_num_params`` parameters not yet wrapped.
-
-    The tree is walked bottom-up, so the smallest subtrees reaching the threshold become
-    units and what is left over goes to their parents (and finally the root).
-
-    Args:
-        min_num_params: threshold in parameter elements; must be >= 1.
-
-    Example:
-        >>> FSDP(MLP([1024] * 9), auto_wrap_policy=ParamCountPolicy(1_000_000))
-    """
-
-    def __init__(self, min_num_params: int) -> None:
-        if int(min_num_params) < 1:
-            raise ValueError(f"ParamCountPolicy needs min_num_params >= 1, got {min_num_params}")
-        self.min_num_params = int(min_num_params)
-
-    def __call__(self, module: nn.Module, nonwrapped_numel: int) -> bool:
-        return nonwrapped_numel >= self.min_num_params
-
-    def __repr__(self) -> str:
-        return f"ParamCountPolicy({self.min_num_params})"
 
 
 # -- the state shared by all units of one root ------------------------------------------------
@@ -128,12 +93,22 @@ class _RootState:
             self.finalize_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
 
-    def finalize(self) -> None:
-        """End of backward: wait for every reduction, hand the shard grads over, free params."""
-        self.finalize_queued = False
+    def drain(self) -> None:
+        """Wait for the reductions in flight and hand their shard gradients over.
+
+        Called before each new reduction is issued, so at most one unit's full-size
+        gradient is alive at a time (the reduce-scatter of unit k overlaps the backward
+        compute of unit k-1); keeping them all until the end would cost a full model's
+        worth of gradient memory at the peak.
+        """
         pending, self.pending = self.pending, []
         for unit, work, out, _grad in pending:
             unit.finish_grad(work, out)
+
+    def finalize(self) -> None:
+        """End of backward: wait for every reduction, hand the shard grads over, free params."""
+        self.finalize_queued = False
+        self.drain()
         for unit in self.units:
             unit.reshard()
 
@@ -234,8 +209,20 @@ class FullyShardedDataParallel(nn.Module):
             first = next(iter(module.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
         self.compute_device = device
+        if distributed and self._world > 1 and device.type == "cpu" and dist.get_backend(process_group) == "nccl":
+            raise ValueError(
+                f"rank {self._rank}: FSDP over NCCL needs the model on a GPU, but its parameters are on the CPU; "
+                "pass device_id=dptrain.local_rank() (use cpu_offload=True to keep the shards in CPU memory)"
+            )
 
         inner = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        nested = {id(x) for f in inner for x in f.module.modules()}
+        for name, sub in module.named_modules():
+            if "_flat_param" in sub._parameters and id(sub) not in nested:
+                raise ValueError(
+                    f"module '{name or type(module).__name__}' was already flattened by an FSDP wrapper that is not "
+                    "part of this model; wrap the original model once (nest FSDP instances inside it instead)"
+                )
         self._check_same_model(inner)
         if sync_module_states and self._world > 1:
             with torch.no_grad():
@@ -252,10 +239,13 @@ class FullyShardedDataParallel(nn.Module):
             self._units.extend(m._units)
         owner: dict[int, str] = {}
         names = self._module_names()
-        for m in unit_modules:
-            params = self._owned_params(m, owner, names)
-            if not params:
-                continue
+        unit_ids = {id(m) for m in unit_modules}
+        # Validate every unit before flattening any: a bad model raises and stays untouched.
+        plan = [(m, self._owned_params(m, owner, names, unit_ids)) for m in unit_modules]
+        plan = [(m, params) for m, params in plan if params]
+        for m, params in plan:
+            FlatParamUnit.check_params(m, params)
+        for m, params in plan:
             unit = FlatParamUnit(
                 m, params, strategy, process_group, self._rank, self._world, device,
                 self.cpu_offload, sync_module_states, self._state,
@@ -336,7 +326,7 @@ class FullyShardedDataParallel(nn.Module):
         units.append(root)
         return units
 
-    def _owned_params(self, unit_module: nn.Module, owner: dict[int, str], names) -> list:
+    def _owned_params(self, unit_module: nn.Module, owner: dict[int, str], names, unit_ids: set) -> list:
         """The parameters a unit flattens: its subtree's, minus nested units' (already taken)."""
         out = []
         stack = [unit_module]
@@ -356,7 +346,7 @@ class FullyShardedDataParallel(nn.Module):
                 owner[id(p)] = unit_name
                 out.append((m, name, p))
             for child in reversed(list(m._modules.values())):
-                if child is None or isinstance(child, FullyShardedDataParallel) or "_flat_param" in child._parameters:
+                if child is None or isinstance(child, FullyShardedDataParallel) or id(child) in unit_ids:
                     continue
                 stack.append(child)
         # Parameters in module order (depth-first), matching state_dict order within the unit.
@@ -385,6 +375,16 @@ class FullyShardedDataParallel(nn.Module):
                 f"rank {self._rank}: rank {r} has {len(theirs)} parameters and buffers but rank 0 has {len(ref)}; "
                 "build the same model on every rank"
             )
+
+    def __getattr__(self, name: str) -> Any:
+        # Attributes the wrapper lacks come from the wrapped model (as with torch's FSDP).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
 
     # -- forward / context managers --------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -583,10 +583,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"rank {self._rank}: sharded state dict has {len(saved['units'])} units, this model has {len(mine['units'])}")
         with torch.no_grad():
             for um, u in zip(mine["units"], self._units):
-                u.flat_param.copy_(state_dict["flat_params"][um["name"]])
-                if u.unsharded and not u.identity:
-                    u.unsharded = False
-                    u.full_param.untyped_storage().resize_(0)
+                u.load_shard(state_dict["flat_params"][um["name"]])
             names = self._module_names()
             for kind, m, a in self._key_order:
                 if kind == "buffer":

@@ -376,6 +376,12 @@ class Reducer:
         if g is None:
             view.zero_()  # unused here: contribute zeros
             return
+        if g.layout != torch.strided:
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {dist.get_rank()}: parameter '{self.names[i]}' has a "
+                f"{g.layout} gradient; dptrain's reducer averages dense gradients only. Build the layer "
+                "with sparse=False (e.g. nn.Embedding(..., sparse=False))."
+            )
         if self.gradient_as_bucket_view and g.data_ptr() == view.data_ptr():
             if divide:
                 view.div_(self._divisor())  # what PyTorch does to a gradient that is a bucket view
@@ -450,8 +456,20 @@ class Reducer:
             used = self._used_map(device)
             used.copy_(torch.tensor(list(self._local_used), dtype=torch.int32))
             used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
-        results = [self._wait(bucket, work) for bucket, work in zip(self.buckets, self._works)]
+        if used_work is not None:
+            used_work.wait()
+            self._global_unused = [u == 0 for u in used.tolist()]
+            self._local_used = bytearray(len(self.params))
+        elif not self.static_graph:
+            self._global_unused = None
+        # Copy each bucket out as soon as its own all-reduce is done, overlapping the copies
+        # with the buckets still on the wire (PyTorch does the same).
+        for bucket, work in zip(self.buckets, self._works):
+            self._wait(bucket, work)
+            if write_back:
+                self._write_back(bucket)
         if self.comm_hook is None and self._error is None:
+            # The status slot of the last bucket: how many ranks left parameters without gradient.
             status = self.buckets[-1].flat[-1:]
             if status.is_cuda:
                 # Read it at the next forward, through pinned memory and an event: an .item()
@@ -461,22 +479,13 @@ class Reducer:
                 self._status_event = torch.cuda.Event()
                 self._status_event.record()
             elif status.item() > 0:
-                write_back = False
+                # The gradients were averaged with that rank's zeros; the error stops the step.
                 self._error = self._other_ranks_failed(int(status.item()))
-        if used_work is not None:
-            used_work.wait()
-            self._global_unused = [u == 0 for u in used.tolist()]
-            self._local_used = bytearray(len(self.params))
-        elif not self.static_graph:
-            self._global_unused = None
-        if write_back:
-            for bucket, result in zip(self.buckets, results):
-                self._write_back(bucket, result)
 
-    def _wait(self, bucket: _Bucket, work: Any) -> torch.Tensor:
+    def _wait(self, bucket: _Bucket, work: Any) -> None:
         if self.comm_hook is None:
             work.wait()
-            return bucket.buffer
+            return
         value = work.wait()
         if isinstance(value, (list, tuple)):
             value = value[0]
@@ -488,9 +497,8 @@ class Reducer:
             )
         if value.data_ptr() != bucket.buffer.data_ptr():
             bucket.buffer.copy_(value.reshape(-1))
-        return bucket.buffer
 
-    def _write_back(self, bucket: _Bucket, result: torch.Tensor) -> None:
+    def _write_back(self, bucket: _Bucket) -> None:
         unused = self._global_unused
         copy_to, copy_from = [], []
         for i, p, view in zip(bucket.indices, bucket.params, bucket.views):

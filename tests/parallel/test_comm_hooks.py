@@ -42,6 +42,19 @@ def _low_precision(rank):
             model.register_comm_hook(None, hook)
         _one_backward(model, rank)
         out[name] = _grads(model)
+    # Misuse: a second hook, and a hook that returns no future.
+    model = dptrain.DDP(copy.deepcopy(base))
+    model.register_comm_hook(None, comm_hooks.allreduce_hook)
+    try:
+        model.register_comm_hook(None, comm_hooks.allreduce_hook)
+    except RuntimeError as exc:
+        out["twice"] = str(exc)
+    model = dptrain.DDP(copy.deepcopy(base))
+    model.register_comm_hook(None, lambda state, bucket: bucket.buffer())
+    try:
+        _one_backward(model, rank)
+    except TypeError as exc:
+        out["not_a_future"] = str(exc)
     # Our hook on PyTorch's DDP.
     theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.0005)
     theirs.register_comm_hook(None, comm_hooks.fp16_compress_hook)
@@ -61,6 +74,12 @@ def test_low_precision_hooks_close_to_fp32_and_interchangeable_with_torch():
             assert any(not torch.equal(a, b) for a, b in zip(out[name], ref)), f"{name} did not compress"
         for a, b, c in zip(out["fp16"], out["torch_fp16_on_ours"], out["ours_fp16_on_torch"]):
             assert torch.equal(a, b) and torch.equal(a, c)
+        assert "only be called once" in out["twice"]
+        assert "returned Tensor" in out["not_a_future"] and "torch.futures.Future" in out["not_a_future"]
+
+
+def _train_regressions(rank, steps):
+    return {name: _train_regression(rank, name, steps) for name in ("none", "powersgd", "torch_powersgd")}
 
 
 def _train_regression(rank, hook_name, steps):
@@ -91,10 +110,8 @@ def _train_regression(rank, hook_name, steps):
 
 
 def test_powersgd_converges_on_small_task():
-    steps = 80
-    plain = run_ranks(_train_regression, 2, "none", steps)
-    psgd = run_ranks(_train_regression, 2, "powersgd", steps)
-    torch_psgd = run_ranks(_train_regression, 2, "torch_powersgd", steps)
+    results = run_ranks(_train_regressions, 2, 50)
+    plain, psgd, torch_psgd = ([r[name] for r in results] for name in ("none", "powersgd", "torch_powersgd"))
     for losses, _, rate in psgd:
         assert losses[-1] < 0.05 * losses[0], losses[::10]
         assert losses[-1] < 5 * plain[0][0][-1] + 1e-3

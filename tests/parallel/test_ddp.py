@@ -243,10 +243,12 @@ def _mismatch(rank, kind):
     elif kind == "count":
         layers = [nn.Linear(4, 4) for _ in range(3 if rank == dist.get_world_size() - 1 else 2)]
         model = nn.Sequential(*layers)
-    else:
+    elif kind == "dtype":
         model = nn.Linear(4, 4).to(torch.float64 if rank == 2 else torch.float32)
+    else:
+        model = nn.Linear(4, 4)
     try:
-        dptrain.DDP(model)
+        dptrain.DDP(model, bucket_cap_mb=1 if (kind == "setting" and rank == 1) else None)
     except ValueError as exc:
         return str(exc)
     return None
@@ -258,6 +260,7 @@ def _mismatch(rank, kind):
         ("shape", 2, ["rank 1", "'0.weight'", "(9, 4)", "(8, 4)"]),
         ("count", 3, ["rank 2", "'2.weight'"]),
         ("dtype", 3, ["rank 2", "'weight'", "torch.float64"]),
+        ("setting", 2, ["rank 1 passed bucket_cap_mb=1", "rank 0 passed bucket_cap_mb=None"]),
     ],
 )
 def test_mismatched_models_fail_on_every_rank(kind, nprocs, expect):

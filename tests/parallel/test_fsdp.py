@@ -224,8 +224,11 @@ def test_manual_nesting_becomes_units_and_keeps_plain_keys():
     torch.testing.assert_close(fsdp(x), plain(x), rtol=0, atol=1e-6)
     full = fsdp.full_state_dict()
     assert list(full) == ref_keys
+    assert fsdp.head is model.head  # attributes the wrapper lacks come from the model
     with pytest.raises(RuntimeError, match="outermost"):
         model.blocks[0].full_state_dict()
+    with pytest.raises(ValueError, match="already flattened"):
+        FSDP(fsdp.module)  # the model again, without its wrapper
 
 
 def test_parameter_shared_across_units_raises():
@@ -234,6 +237,9 @@ def test_parameter_shared_across_units_raises():
     policy = ModuleTypePolicy({nn.Embedding})
     with pytest.raises(ValueError, match=r"'head.weight' is shared between FSDP units 'tok' and '<root>'"):
         FSDP(model, auto_wrap_policy=policy)
+    # the error came before any flattening: the model is intact and still wraps another way
+    assert "weight" in model.tok._parameters and "_flat_param" not in model.blocks[0]._parameters
+    assert len(FSDP(model, auto_wrap_policy=ModuleTypePolicy({TransformerBlock}))._units) == 3
 
 
 def test_tied_weights_inside_one_unit_stay_tied():
@@ -320,3 +326,24 @@ def test_cuda_cpu_offload_single_process_matches_plain():
     full = fsdp.full_state_dict()
     for k, v in plain.state_dict().items():
         torch.testing.assert_close(full[k], v.cpu(), rtol=1e-4, atol=1e-5)
+
+
+def test_frozen_units_train_around_them_and_mixed_units_raise():
+    torch.manual_seed(0)
+    model = _transformer()
+    for emb in (model.tok, model.pos):
+        emb.weight.requires_grad_(False)
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(("tok.", "pos."))}
+    fsdp = FSDP(model, auto_wrap_policy=ModuleTypePolicy({nn.Embedding, TransformerBlock}))
+    opt = torch.optim.Adam([p for p in fsdp.parameters() if p.requires_grad], lr=LR)
+    before = fsdp.full_state_dict()
+    _loss(fsdp(torch.randint(0, 32, (2, 8)))).backward()
+    opt.step()
+    after = fsdp.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in frozen.items())
+    assert not torch.equal(after["head.weight"], before["head.weight"])
+
+    mixed = _mlp()
+    mixed[0].bias.requires_grad_(False)
+    with pytest.raises(ValueError, match="mixes frozen and trainable"):
+        FSDP(mixed)

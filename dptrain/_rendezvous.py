@@ -1,0 +1,174 @@
+"""Pieces shared by both launchers: the rendezvous store, torchrun's worker environment,
+network-interface choice, and how a rank's exit is described."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+
+__all__ = ["RankFailedError", "free_port", "rank_environ"]
+
+#: Seconds between TERM and KILL when stopping ranks.
+GRACE_S = 3.0
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a job raised or exited non-zero.
+
+    Attributes:
+        rank: the global rank that failed first.
+        exit_code: its exit code (negative: killed by that signal), or None if it raised.
+        traceback_text: the traceback it printed or sent, when there was one.
+    """
+
+    def __init__(self, message: str, rank: int, exit_code: int | None = None, traceback_text: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+        self.traceback_text = traceback_text
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {code}"
+
+
+class _StoreServer:
+    """The rendezvous store, hosted by the launcher and bound to one address only.
+
+    ``TCPStore`` on its own listens on every interface; we bind the socket ourselves (to
+    127.0.0.1 on a single node, to the given master address across nodes) and hand it over.
+    """
+
+    def __init__(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.host = host
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            if port:
+                raise ValueError(
+                    f"port {port} on {host} is not available ({exc.strerror}); pick another with "
+                    f"--master-port, or omit --master-port on a single node to get a free one"
+                ) from None
+            raise ValueError(f"cannot listen on {host} ({exc.strerror}); check --master-addr") from None
+        self._sock.listen(512)
+        self.port = self._sock.getsockname()[1]
+        td = datetime.timedelta(seconds=timeout_s)
+        try:
+            self.store = dist.TCPStore(
+                host, self.port, world_size, True, timeout=td, wait_for_workers=False,
+                master_listen_fd=self._sock.fileno(),
+            )
+        except TypeError:  # torch without master_listen_fd: let the store bind by itself
+            self._sock.close()
+            self.store = dist.TCPStore(host, self.port, world_size, True, timeout=td, wait_for_workers=False)
+
+    def close(self) -> None:
+        self.store = None
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+def _loopback_ifname() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    return None
+
+
+def _iface_towards(addr: str) -> str | None:
+    """The network interface this host would use to reach ``addr`` (Linux), or None.
+
+    Gloo picks its interface from the host name, which on many machines resolves to
+    127.0.0.1; across nodes that address is useless to the peers. The interface that routes
+    to the master is the one every rank of this node can be reached on.
+    """
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((addr, 9))  # UDP connect sends nothing; it only picks the route
+            local_ip = probe.getsockname()[0]
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for name in names:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == local_ip:
+            return name
+    return None
+
+
+def rank_environ(
+    *,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    local_world_size: int,
+    node_rank: int,
+    num_nodes: int,
+    master_addr: str,
+    master_port: int,
+    run_id: str,
+    restart_count: int = 0,
+    max_restarts: int = 0,
+    error_dir: str | None = None,
+) -> dict[str, str]:
+    """The variables ``torchrun`` sets for a worker, with the same names and meanings."""
+    out = {
+        "RANK": str(rank),
+        "GROUP_RANK": str(node_rank),
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "WORLD_SIZE": str(world_size),
+        "GROUP_WORLD_SIZE": str(num_nodes),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+    if error_dir is not None:
+        # Where torch's @record decorator writes a rank's exception as JSON; we read it back
+        # for the failure report, as torchrun does.
+        out["TORCHELASTIC_ERROR_FILE"] = os.path.join(error_dir, f"attempt_{restart_count}", str(rank), "error.json")
+    return out
