@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from typing import Any, Mapping
 
 import torch
@@ -105,19 +106,26 @@ class TrainerCheckpointing:
         if resume is None:
             # A job the launcher restarted continues where it stopped -- if it keeps checkpoints.
             resume = "auto" if self.world.restart_count > 0 and cdir else False
-            if not resume and cdir and self.rank == 0 and ckpt.list_checkpoints(cdir):
-                _warn_once_main(
-                    f"checkpoint_dir {cdir!r} already holds checkpoints; starting fresh (they will be pruned as new ones "
-                    f"are written). Pass resume='auto' to continue from the newest"
-                )
-        if resume is False:
-            return None
         if resume is True or resume == "auto":
             if not cdir:
                 raise ValueError("resume='auto' needs TrainerConfig(checkpoint_dir=...) to look for checkpoints")
             # Rank 0 decides, so every rank resumes from the same file.
             return comm.broadcast_object(ckpt.latest_checkpoint(cdir) if self.rank == 0 else None, src=0)
-        return os.fspath(resume)
+        if resume is not False:
+            return os.fspath(resume)
+        if cdir and self.rank == 0 and ckpt.list_checkpoints(cdir):
+            # A fresh run must not mix with an old one's files (the newest by step would win a
+            # later resume, and pruning would delete the new ones): move them aside.
+            aside = os.path.join(cdir, "superseded-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+            os.makedirs(aside, exist_ok=True)
+            for old in ckpt.list_checkpoints(cdir) + [os.path.join(cdir, "best.pt")]:
+                if os.path.exists(old):
+                    os.replace(old, os.path.join(aside, os.path.basename(old)))
+            _warn_once_main(
+                f"checkpoint_dir {cdir!r} already held checkpoints of an earlier run; starting fresh and moving them "
+                f"to {aside!r}. Pass resume='auto' (the examples' --resume) to continue from the newest instead"
+            )
+        return None
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer, scheduler, scaler, loader position, RNG and progress from ``path``.

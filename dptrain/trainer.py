@@ -41,6 +41,7 @@ from torch import nn
 from dptrain import checkpoint as ckpt
 from dptrain import comm
 from dptrain._trainer_log import TrainerLog, format_metrics
+from dptrain.data import gather_results, prepare_dataloader
 from dptrain.env import _warn_once_main, device as _default_device, get_world
 from dptrain._trainer_ckpt import TrainerCheckpointing
 from dptrain.seeding import set_rng_state
@@ -194,13 +195,6 @@ def _num_samples(targets: Any) -> int:
     return int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() > 0 else 1
 
 
-def _data_api():
-    """dptrain.data's loader helpers (issue 4)."""
-    from dptrain import data
-
-    return data
-
-
 class Trainer(TrainerCheckpointing):
     """Train a model on every rank of the job: wrap it, feed it, evaluate it, checkpoint it.
 
@@ -316,7 +310,7 @@ class Trainer(TrainerCheckpointing):
                     f"a {type(data).__name__} was given as {mode} data but TrainerConfig(batch_size=None); set "
                     f"TrainerConfig(batch_size=...) or pass a loader from dptrain.prepare_dataloader(...)"
                 )
-            return _data_api().prepare_dataloader(
+            return prepare_dataloader(
                 data, batch_size=bs, shuffle=(mode == "train"), num_workers=self.config.num_workers,
                 drop_last=False, mode=mode, seed=self.config.seed,
             )
@@ -608,9 +602,8 @@ class Trainer(TrainerCheckpointing):
             raise RuntimeError(
                 f"rank {self.rank}: the eval loader yielded {outputs.shape[0]} samples but its sampler lists {len(indices)}"
             )
-        gather = _data_api().gather_results
-        all_out = gather(outputs, idx)
-        all_tgt = gather(targets.to(outputs.device), idx)
+        all_out = gather_results(outputs, idx)
+        all_tgt = gather_results(targets.to(outputs.device), idx)
         metrics: dict[str, float] = {"loss": float(self.loss_fn(all_out, all_tgt))}
         if self.metric_fn is not None:
             extra = self.metric_fn(all_out, all_tgt)

@@ -160,6 +160,18 @@ def test_fit_single_process_history_best_and_export(tmp_path):
     assert any(name.startswith("events") for name in os.listdir(tmp_path / "tb"))
 
 
+def test_fresh_run_moves_an_old_runs_checkpoints_aside(tmp_path):
+    cdir = str(tmp_path / "ck")
+    _trainer(cdir).fit(3)  # an old, longer run: steps 16, 32, 48
+    with pytest.warns(UserWarning, match="moving them to"):
+        t = _trainer(cdir)
+    t.fit(1)
+    # the new run's checkpoint is the newest; a resume can no longer pick the old run's step 48
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(cdir)] == ["ckpt-e0001-s000000016.pt"]
+    aside = [d for d in os.listdir(cdir) if d.startswith("superseded-")]
+    assert len(aside) == 1 and len(os.listdir(os.path.join(cdir, aside[0]))) == 4  # 3 checkpoints + best.pt
+
+
 def test_evaluate_matches_a_plain_loop_and_test_uses_best_model(tmp_path):
     t = _trainer()
     t.fit(2)
@@ -267,7 +279,8 @@ def test_two_rank_checkpoint_loads_into_plain_model_one_rank_and_three_ranks(tmp
     # the dev metrics were gathered exactly: every one of the 37 samples, equal on both ranks
     assert r[0]["dev"] == r[1]["dev"]
     # 2) a single process
-    one = _trainer(str(tmp_path / "one"), resume=path)
+    with pytest.warns(UserWarning, match="written by 2 ranks and is resumed on 1"):
+        one = _trainer(str(tmp_path / "one"), resume=path)
     assert _same(_params(one), trained) and one.epoch == 2
     one.fit(3)
     assert one.epoch == 3 and len(one.history) == 3

@@ -5,4 +5,13 @@ from dptrain.parallel.ddp import DDP, DistributedDataParallel
 from dptrain.parallel.dp import DataParallel
 from dptrain.parallel.fsdp import FSDP, FullyShardedDataParallel, ModuleTypePolicy, ParamCountPolicy
 
-__all__ = ["DDP", "DistributedDataParallel", "comm_hooks", "DataParallel", "FSDP", "FullyShardedDataParallel", "ModuleTypePolicy", "ParamCountPolicy"]
+__all__ = [
+    "DDP",
+    "DistributedDataParallel",
+    "comm_hooks",
+    "DataParallel",
+    "FSDP",
+    "FullyShardedDataParallel",
+    "ModuleTypePolicy",
+    "ParamCountPolicy",
+]

@@ -134,7 +134,9 @@ class PowerSGDState:
         if start_powerSGD_iter < 0:
             raise ValueError(f"start_powerSGD_iter must be >= 0, got {start_powerSGD_iter}")
         if min_compression_rate < 1:
-            raise ValueError(f"min_compression_rate must be >= 1 (compress only when it saves bytes), got {min_compression_rate}")
+            raise ValueError(
+                f"min_compression_rate must be >= 1 (compress only when it saves bytes), got {min_compression_rate}"
+            )
         self.process_group = process_group
         self.matrix_approximation_rank = matrix_approximation_rank
         self.start_powerSGD_iter = start_powerSGD_iter
@@ -159,7 +161,8 @@ class PowerSGDState:
     def compression_stats(self) -> tuple[float, int, int]:
         """(compression rate, elements before, elements after) summed over compressed buckets."""
         after = self.total_numel_after_compression
-        return (self.total_numel_before_compression / after if after else 0.0), self.total_numel_before_compression, after
+        before = self.total_numel_before_compression
+        return (before / after if after else 0.0), before, after
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

@@ -231,7 +231,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                     f"device_ids=[local_rank]); this module's parameters are on {sorted(map(str, devices))}. "
                     "For CPU or multi-device modules leave device_ids=None."
                 )
-            self.device_ids = [torch.device(self.device_type, d) if isinstance(d, int) else torch.device(d) for d in device_ids]
+            self.device_ids = [
+                torch.device(self.device_type, d) if isinstance(d, int) else torch.device(d) for d in device_ids
+            ]
         else:
             self.device_ids = None
         self.output_device = output_device
@@ -303,7 +305,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         return output
 
     def _will_sync_buffers(self) -> bool:
-        return self.require_forward_param_sync and self.broadcast_buffers and any(True for _ in self.module.buffers())
+        return (
+            self.require_forward_param_sync and self.broadcast_buffers and any(True for _ in self.module.buffers())
+        )
 
     def _sync_buffers(self, src: int) -> None:
         buffers = list(self.module.buffers())
@@ -317,7 +321,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         return int(t.item())
 
     def _all_reduce_requires_sync(self, joined: bool) -> bool | None:
-        flag = torch.ones(1, device=self.device) if (not joined and self.require_backward_grad_sync) else torch.zeros(1, device=self.device)
+        """Join: tell the joined ranks whether this iteration's backward synchronises (1 per rank)."""
+        syncing = not joined and self.require_backward_grad_sync
+        flag = torch.full((1,), float(syncing), device=self.device)
         work = dist.all_reduce(flag, group=self.process_group, async_op=True)
         if not joined:
             return None

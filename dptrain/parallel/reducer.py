@@ -17,6 +17,19 @@ same operations with the same scalars, so on two ranks the results are bitwise e
 bucket layout does not matter for an elementwise two-term sum. With three or more ranks
 gloo's ring order depends on the chunk an element falls in, so results agree to fp32
 rounding.
+
+[Note: no bucket rebuild]
+PyTorch 2.13 starts with a single bucket and rebuilds the buckets in gradient-ready order
+after the first iteration. We build the buckets once, in reverse registration order with
+PyTorch's limits ([1 MiB, 25 MiB]); for ResNet-18 and MLPs this gives exactly PyTorch's
+rebuilt bucket sizes, values are unaffected (see above), and every rank lays out the same
+buckets without having to agree on an observed order.
+
+[Note: the status slot]
+The last bucket carries one extra element: 1 on a rank whose backward left parameters
+without a gradient (it then launches its remaining buckets with zeros, so nobody hangs).
+After the all-reduce every rank knows how many ranks failed, and every rank raises at its
+next forward, not only the one that holds the unused parameter.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ __all__ = ["Reducer", "GradBucket", "compute_bucket_assignment", "DEFAULT_FIRST_
 _MIB = 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1 * _MIB  # PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_CAP_MB = 25
+_SLOT_ALIGN = 1024  # elements; see _Bucket
 
 
 def compute_bucket_assignment(
@@ -118,7 +132,10 @@ class _Bucket:
         self.numel = sum(p.numel() for p in self.params)
         # The last bucket carries one extra element, the number of ranks whose backward left
         # parameters without gradient, so that every rank learns of it (see _finalize_backward).
-        self.flat = torch.zeros(self.numel + int(status_slot), dtype=first.dtype, device=first.device)
+        # Padded to a whole number of 1024 elements: an odd-sized buffer splits into unaligned
+        # chunks in gloo's ring all-reduce, which measurably slows the sum.
+        padded = -(-(self.numel + 1) // _SLOT_ALIGN) * _SLOT_ALIGN if status_slot else self.numel
+        self.flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
         self.buffer = self.flat[: self.numel]
         self.views, offset = [], 0
         for p in self.params:
@@ -246,7 +263,9 @@ class Reducer:
         self._hook_counts: list[int] = []
 
         self_ref = weakref.ref(self)
-        self._handles = [p.register_post_accumulate_grad_hook(_make_hook(self_ref, i)) for i, p in enumerate(self.params)]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(_make_hook(self_ref, i)) for i, p in enumerate(self.params)
+        ]
 
     def __del__(self) -> None:
         for h in getattr(self, "_handles", ()):
@@ -320,15 +339,19 @@ class Reducer:
             self._mark_ready(j)
 
     def _on_grad_ready(self, i: int) -> None:
-        if self._tracks_used and self.params[i].grad is not None:
-            self._local_used[i] = 1
+        # The hot path: one call per parameter per backward; plain attributes only.
+        if self.static_graph or self.find_unused_parameters:
+            if self._tracks_used and self.params[i].grad is not None:
+                self._local_used[i] = 1
+            if self._expect_hooks and self._static_first_iteration:
+                if not self._first_hook_seen:
+                    self.backward_started()
+                self._hook_counts[i] += 1  # reduction is delayed to the end of this backward
+                return
         if not self._expect_hooks:
             return  # no_sync / eval forward: plain local accumulation
         if not self._first_hook_seen:
             self.backward_started()
-        if self._static_first_iteration:
-            self._hook_counts[i] += 1  # reduction is delayed to the end of this backward
-            return
         if self.static_graph:
             self._static_remaining[i] -= 1
             if self._static_remaining[i] > 0:
@@ -396,13 +419,14 @@ class Reducer:
     def _launch(self, bucket: _Bucket) -> None:
         if self.comm_hook is None:
             if bucket.flat.numel() > bucket.numel:
-                bucket.flat[-1] = float(self._error is not None)
+                bucket.flat[bucket.numel] = float(self._error is not None)
             self._works[bucket.index] = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
         else:
             self._works[bucket.index] = self._run_hook(bucket, bucket.buffer)
 
     def _run_hook(self, bucket: _Bucket, buffer: torch.Tensor) -> Any:
-        grad_bucket = GradBucket(bucket.index, buffer, bucket.views, bucket.params, bucket.index == len(self.buckets) - 1)
+        is_last = bucket.index == len(self.buckets) - 1
+        grad_bucket = GradBucket(bucket.index, buffer, bucket.views, bucket.params, is_last)
         if buffer is not bucket.buffer:
             offs, views = 0, []
             for p in bucket.params:
@@ -468,9 +492,10 @@ class Reducer:
             self._wait(bucket, work)
             if write_back:
                 self._write_back(bucket)
-        if self.comm_hook is None and self._error is None:
+        last = self.buckets[-1]
+        if self.comm_hook is None and self._error is None and last.flat.numel() > last.numel:
             # The status slot of the last bucket: how many ranks left parameters without gradient.
-            status = self.buckets[-1].flat[-1:]
+            status = last.flat[last.numel : last.numel + 1]
             if status.is_cuda:
                 # Read it at the next forward, through pinned memory and an event: an .item()
                 # here would stall the host on every step.

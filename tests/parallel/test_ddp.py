@@ -15,7 +15,15 @@ from torch.nn import functional as F
 
 import dptrain
 from tests._dist import run_ranks
-from tests.parallel._ddp_models import EXTRA_MODELS, MODELS, build_pair, make_batch, make_optimizer, snapshot, train_step
+from tests.parallel._ddp_models import (
+    EXTRA_MODELS,
+    MODELS,
+    build_pair,
+    make_batch,
+    make_optimizer,
+    snapshot,
+    train_step,
+)
 
 STEPS = 3
 
