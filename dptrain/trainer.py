@@ -42,6 +42,7 @@ from dptrain import checkpoint as ckpt
 from dptrain import comm
 from dptrain._trainer_log import TrainerLog, format_metrics
 from dptrain.data import gather_results, prepare_dataloader
+from dptrain import _diagnostics
 from dptrain.env import _warn_once_main, device as _default_device, get_world
 from dptrain._trainer_ckpt import TrainerCheckpointing
 from dptrain.seeding import set_rng_state
@@ -530,6 +531,7 @@ class Trainer(TrainerCheckpointing):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
+        _diagnostics.tick()  # the launcher's stall report counts these steps
         if self.scheduler is not None and cfg.scheduler_interval == "step":
             self.scheduler.step()
 
@@ -618,7 +620,10 @@ class Trainer(TrainerCheckpointing):
         sampler = getattr(loader, "sampler", None)
         if sampler is None:
             raise ValueError("evaluation needs a DataLoader whose sampler lists the dataset indices (dptrain.prepare_dataloader(mode='eval'))")
-        return [int(i) for i in iter(sampler)]
+        # sampler.indices() lists the shard without starting an iteration (which would
+        # discard a restored position); any other sampler is simply iterated.
+        listed = sampler.indices() if hasattr(sampler, "indices") else iter(sampler)
+        return [int(i) for i in listed]
 
     def _update_best(self, metrics: Mapping[str, float], epoch: int) -> None:
         key = self.config.best_metric

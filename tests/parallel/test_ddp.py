@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import dptrain
+from dptrain.parallel import comm_hooks
 from tests._dist import run_ranks
 from tests.parallel._ddp_models import (
     EXTRA_MODELS,
@@ -161,10 +162,12 @@ def test_no_sync_accumulation_equals_large_batch():
 def _join(rank, configs):
     num_batches = 3 if rank == 0 else 5
     results = []
-    for model_name, kw, divide in configs:
+    for model_name, kw, divide, hook in configs:
         ours, theirs = build_pair(model_name, rank, kw)
         out = []
         for model in (ours, theirs):
+            if hook is not None:  # joined ranks shadow through the hook too
+                model.register_comm_hook(None, hook)
             opt = make_optimizer("sgd", model.parameters())
             with model.join(divide_by_initial_world_size=divide):
                 for step in range(num_batches):
@@ -176,9 +179,10 @@ def _join(rank, configs):
 
 
 JOIN_CONFIGS = [
-    ("convbn", {}, True),  # buffers come from the highest rank still training
-    ("convbn", {"bucket_cap_mb": 0.0005}, False),  # divide by the ranks still training
-    ("unused", {"find_unused_parameters": True}, True),
+    ("convbn", {}, True, None),  # buffers come from the highest rank still training
+    ("convbn", {"bucket_cap_mb": 0.0005}, False, None),  # divide by the ranks still training
+    ("unused", {"find_unused_parameters": True}, True, None),
+    ("mlp", {"bucket_cap_mb": 0.0005}, True, comm_hooks.fp16_compress_hook),
 ]
 
 
