@@ -183,13 +183,14 @@ def explain_failure(name: str, exc: BaseException, group: Any = None) -> BaseExc
     """Wrap a failed collective's exception with this rank, the operation and who is missing."""
     from dptrain.comm import CollectiveError
 
-    leave()
     if isinstance(exc, (CollectiveMismatchError, CollectiveError, ValueError, TypeError)):
+        leave()
         return exc
     me = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     timeout = env._timeout().total_seconds()
     missing = _who_is_missing(world) if group is None else ""
+    leave()
     detail = f" {missing}." if missing else ""
     return CollectiveError(
         f"rank {me}: {name} #{_progress['seq']} failed ({type(exc).__name__}: {str(exc).strip()[:300]}).{detail} "

@@ -23,7 +23,7 @@ def reference(tmp_path_factory):
 TRIALS = int(os.environ.get("DPTRAIN_KILL_TRIALS", "5"))
 _seed = int(os.environ.get("DPTRAIN_KILL_SEED", str(int(time.time()))))
 _rng = random.Random(_seed)
-POINTS = [(_rng.randrange(2), _rng.randint(1, BATCHES_PER_RANK)) for _ in range(TRIALS)]
+POINTS = _rng.sample([(r, b) for r in range(2) for b in range(1, BATCHES_PER_RANK + 1)], TRIALS)  # distinct points
 
 
 @pytest.mark.parametrize("kill_rank, kill_at", POINTS)

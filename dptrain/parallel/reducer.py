@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from dptrain import _diagnostics
+
 __all__ = ["Reducer", "GradBucket", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES"]
 
 _MIB = 1024 * 1024
@@ -417,6 +419,9 @@ class Reducer:
             p.grad = view
 
     def _launch(self, bucket: _Bucket) -> None:
+        if bucket.index == 0:
+            # For stall reports: this rank is now inside the gradient all-reduce of this step.
+            _diagnostics.enter("DDP gradient all-reduce")
         if self.comm_hook is None:
             if bucket.flat.numel() > bucket.numel:
                 bucket.flat[bucket.numel] = float(self._error is not None)
@@ -489,9 +494,13 @@ class Reducer:
         # Copy each bucket out as soon as its own all-reduce is done, overlapping the copies
         # with the buckets still on the wire (PyTorch does the same).
         for bucket, work in zip(self.buckets, self._works):
-            self._wait(bucket, work)
+            try:
+                self._wait(bucket, work)
+            except RuntimeError as exc:  # a peer died or stalled past the timeout: say who
+                raise _diagnostics.explain_failure(f"DDP gradient all-reduce (bucket {bucket.index})", exc) from exc
             if write_back:
                 self._write_back(bucket)
+        _diagnostics.leave()
         last = self.buckets[-1]
         if self.comm_hook is None and self._error is None and last.flat.numel() > last.numel:
             # The status slot of the last bucket: how many ranks left parameters without gradient.

@@ -63,3 +63,27 @@ def test_gradient_as_bucket_view_grads_live_in_buckets():
     assert nb > 1
     for a, b in zip(g0, g1):
         assert torch.equal(a, b)
+
+
+def _ddp_with_a_stalled_peer(rank):
+    import time
+
+    from dptrain.comm import CollectiveError
+
+    model = dptrain.DistributedDataParallel(torch.nn.Linear(4, 2))
+    model(torch.randn(3, 4)).sum().backward()  # one healthy step
+    if rank == 1:
+        time.sleep(5)  # stuck outside any collective while rank 0 waits for its gradients
+        return None
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError) as info:
+        model(torch.randn(3, 4)).sum().backward()
+    return time.monotonic() - t0, str(info.value)
+
+
+def test_a_stalled_peer_fails_backward_within_the_timeout_and_is_named():
+    waited, msg = run_ranks(_ddp_with_a_stalled_peer, 2, env={"DPTRAIN_TIMEOUT": "2", "DPTRAIN_HEARTBEAT_S": "0.2"},
+                            timeout=40)[0]
+    assert waited < 2 + 3, msg
+    assert msg.startswith("rank 0: DDP gradient all-reduce (bucket 0)")
+    assert "rank 1 did not arrive" in msg and "outside any collective" in msg
