@@ -21,7 +21,7 @@ Theory (fp32 Adam, ZeRO paper notation, Psi parameters, N ranks): 4 bytes parame
 bytes gradient + 8 bytes Adam moments = 16 Psi per rank for DDP; ZeRO-3 (full_shard,
 shard_grad_op: everything sharded) 16 Psi / N; no_shard = DDP.
 
-Run (the numbers in results_fsdp.md come from the first line)::
+Run (the numbers in RESULTS.md come from the first line)::
 
     python benchmarks/fsdp_memory.py               # 2 and 4 ranks, ~34 M params
     python benchmarks/fsdp_memory.py --quick       # small model, 2 ranks, a few seconds
