@@ -195,6 +195,16 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: Any = "sum", group: Any = Non
     return None
 
 
+def _check_root_list(name: str, role: str, root: int, list_name: str, tensors: Any, group: Any) -> int:
+    """Check the per-rank list that only the root of scatter/gather passes; return this rank."""
+    n = dist.get_world_size(group) if is_distributed(group) else 1
+    me = dist.get_rank() if is_distributed(group) else 0
+    if me == root and (tensors is None or len(tensors) != n):
+        got = "None" if tensors is None else f"{len(tensors)} tensors"
+        raise ValueError(f"{name} on the {role} rank {root} needs {list_name} of {n} tensors, got {got}")
+    return me
+
+
 def scatter(
     tensor: torch.Tensor,
     scatter_list: list[torch.Tensor] | None = None,
@@ -220,12 +230,7 @@ def scatter(
         >>> comm.scatter(out, parts if dptrain.rank() == 0 else None, src=0)
     """
     _check_tensor("scatter", tensor)
-    n = dist.get_world_size(group) if is_distributed(group) else 1
-    me = dist.get_rank() if is_distributed(group) else 0
-    if me == src:
-        if scatter_list is None or len(scatter_list) != n:
-            got = "None" if scatter_list is None else f"{len(scatter_list)} tensors"
-            raise ValueError(f"scatter on the source rank {src} needs scatter_list of {n} tensors, got {got}")
+    me = _check_root_list("scatter", "source", src, "scatter_list", scatter_list, group)
     if not is_distributed(group):
         tensor.copy_(scatter_list[0])
         return None
@@ -261,12 +266,7 @@ def gather(
         >>> comm.gather(torch.ones(3), out, dst=0)
     """
     _check_tensor("gather", tensor)
-    n = dist.get_world_size(group) if is_distributed(group) else 1
-    me = dist.get_rank() if is_distributed(group) else 0
-    if me == dst:
-        if gather_list is None or len(gather_list) != n:
-            got = "None" if gather_list is None else f"{len(gather_list)} tensors"
-            raise ValueError(f"gather on the destination rank {dst} needs gather_list of {n} tensors, got {got}")
+    me = _check_root_list("gather", "destination", dst, "gather_list", gather_list, group)
     if not is_distributed(group):
         gather_list[0].copy_(tensor)
         return None

@@ -4,7 +4,6 @@ and checkpoints that resume bit for bit (also across world sizes)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
