@@ -284,16 +284,21 @@ def test_mismatched_models_fail_on_every_rank(kind, nprocs, expect):
             assert piece in msg, (piece, msg)
 
 
-def _unused_without_flag(rank):
-    torch.manual_seed(0)
-    ddp = dptrain.DDP(MODELS["unused"]())
-    x, y = make_batch("unused", rank, 1)
-    F.cross_entropy(ddp(x), y).backward()
+def _next_forward_error(ddp, x):
+    """The error the forward after a faulty backward raises (None if it does not)."""
     try:
         ddp(x)
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def _unused_without_flag(rank):
+    torch.manual_seed(0)
+    ddp = dptrain.DDP(MODELS["unused"]())
+    x, y = make_batch("unused", rank, 1)
+    F.cross_entropy(ddp(x), y).backward()
+    return _next_forward_error(ddp, x)
 
 
 def test_unused_parameter_without_flag_raises_on_every_rank():
@@ -341,11 +346,7 @@ def _unused_on_one_rank(rank):
     x, y = make_batch("unused", rank, 0)
     x[0, 0] = 1.0 if rank == 0 else -1.0  # 'sometimes' used on rank 0 only
     F.cross_entropy(ddp(x), y).backward()
-    try:
-        ddp(x)
-    except RuntimeError as exc:
-        return str(exc)
-    return None
+    return _next_forward_error(ddp, x)
 
 
 def test_parameter_unused_on_one_rank_without_flag_fails_everywhere():
