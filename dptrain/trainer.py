@@ -572,28 +572,24 @@ class Trainer(TrainerCheckpointing):
         was_training = net.training
         net.eval()
         outs, tgts = [], []
-        batches = list(iter(loader)) if self.is_fsdp else None
+        num_batches = steps = len(loader)
+        if self.is_fsdp:
+            # Every rank must run the same number of forwards (each one all-gathers the
+            # shards); a rank with fewer batches repeats its last one and drops the result.
+            count = torch.tensor([num_batches], device=self.device)
+            comm.all_reduce(count, op="max")
+            steps = int(count.item())
+            if steps and not num_batches:
+                raise RuntimeError(f"rank {self.rank} has no evaluation samples; use fewer ranks or more data")
         with torch.no_grad():
-            if self.is_fsdp:
-                # Every rank must run the same number of forwards (each one all-gathers the
-                # shards); a rank with fewer batches repeats its last one and drops the result.
-                count = torch.tensor([len(batches)], device=self.device)
-                comm.all_reduce(count, op="max")
-                steps = int(count.item())
-                if steps and not batches:
-                    raise RuntimeError(f"rank {self.rank} has no evaluation samples; use fewer ranks or more data")
-                for i in range(steps):
-                    inputs, targets = _split_batch(_to_device(batches[min(i, len(batches) - 1)], self.device))
-                    with self._autocast():
-                        out = _forward(net, inputs)
-                    if i < len(batches):
-                        outs.append(out.float())
-                        tgts.append(targets)
-            else:
-                for batch in loader:
-                    inputs, targets = _split_batch(_to_device(batch, self.device))
-                    with self._autocast():
-                        out = _forward(net, inputs)
+            batches, batch = iter(loader), None
+            for i in range(steps):
+                if i < num_batches:
+                    batch = next(batches)
+                inputs, targets = _split_batch(_to_device(batch, self.device))
+                with self._autocast():
+                    out = _forward(net, inputs)
+                if i < num_batches:
                     outs.append(out.float())
                     tgts.append(targets)
         net.train(was_training)
