@@ -80,6 +80,13 @@ def stop_heartbeat() -> None:
         _heartbeat.clear()
 
 
+def reset() -> None:
+    """Forget this process's job: stop the heartbeat, zero the counters (a later init starts over)."""
+    stop_heartbeat()
+    _seq.clear()
+    _progress.update(seq=0, op="", ticks=0)
+
+
 def read_heartbeats(store, world_size: int) -> dict[int, dict]:
     """Every rank's last heartbeat that the store holds (ranks without one are absent)."""
     out = {}

@@ -412,6 +412,8 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         _diagnostics.start_heartbeat(_STATE.store, world.rank)
         # A script that never calls shutdown() must still exit cleanly: a heartbeat thread or
         # process group torn down by the interpreter's exit aborts the process instead.
+        # (Registered on every init; unregister first so repeated init/shutdown cycles keep one.)
+        atexit.unregister(shutdown)
         atexit.register(shutdown)
     _STATE.world, _STATE.backend, _STATE.timeout = world, chosen, td
     return world
@@ -428,7 +430,7 @@ def shutdown() -> None:
     """
     from dptrain import _diagnostics
 
-    _diagnostics.stop_heartbeat()
+    _diagnostics.reset()
     if _STATE.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _STATE.world = None
