@@ -2,9 +2,11 @@
 
 :func:`prepare_dataloader` builds a ``torch.utils.data.DataLoader`` (the subclass
 :class:`DistributedDataLoader`) over a :class:`~dptrain.data.DistributedSampler`. The loader
-counts the samples of every batch it hands to the training loop and tells the sampler, so
-``loader.state_dict()`` is the position as the loop saw it -- not as the workers, which
-fetch ``prefetch_factor * num_workers`` batches ahead, saw it.
+counts the samples of every batch it hands to the training loop and tells the sampler
+(whose own count of the indices it yielded it turns off), so ``loader.state_dict()`` is the
+position as the loop saw it -- not as the workers, which fetch ``prefetch_factor *
+num_workers`` batches ahead, saw it. A plain ``DataLoader`` over the sampler is exact only
+with ``num_workers=0`` (see the sampler's Note "what counts as consumed").
 
 [Note: worker seeds]
 PyTorch seeds each worker's ``torch``, ``random`` and ``numpy`` from a base seed drawn from
@@ -66,13 +68,17 @@ class DistributedDataLoader(torch.utils.data.DataLoader):
 
     Build it with :func:`prepare_dataloader`. Beyond ``DataLoader`` it has
     :meth:`set_epoch`, :meth:`state_dict` and :meth:`load_state_dict`; the saved position
-    counts the samples of the batches this loader has handed out.
+    counts the samples of the batches this loader has handed out. The loader takes over the
+    counting from its sampler (it sets ``sampler.count_yields = False``).
     """
 
     def __init__(self, dataset: Any, *, sampler: DistributedSampler, seed: int = 0, **kwargs: Any) -> None:
         if not isinstance(sampler, DistributedSampler):
             raise TypeError(f"DistributedDataLoader needs a dptrain DistributedSampler, got {type(sampler).__name__}")
         super().__init__(dataset, sampler=sampler, **kwargs)
+        # This loader counts the batches it hands out; the sampler's own count of what it
+        # yielded would include the workers' prefetch.
+        sampler.count_yields = False
         self.seed = seed
 
     def __iter__(self) -> Iterator[Any]:
@@ -153,7 +159,9 @@ def prepare_dataloader(
     Raises:
         ValueError: unknown ``mode``; ``drop_last=True`` in eval mode; a ``sampler`` or
             ``batch_sampler`` in ``kw``; ``persistent_workers`` without workers; and the
-            sampler's errors (empty dataset, dataset smaller than the world with drop_last).
+            sampler's errors (``rank`` outside the world). An empty dataset, or fewer
+            samples than ranks, is no error: the ranks without samples get an empty loader
+            (``len(loader) == 0``), as with PyTorch's sampler.
 
     Example:
         >>> loader = dptrain.prepare_dataloader(train_set, batch_size=64, num_workers=2)

@@ -18,12 +18,32 @@ ranks -- without repeating or skipping samples.
 - ``pad=False`` (exact evaluation): left as it is; ranks get ``ceil((n - r) / W)``
   samples, which differ by at most one, and no sample is repeated.
 
-Rank r takes positions r, r + W, r + 2W, ... of that order.
+Rank r takes positions r, r + W, r + 2W, ... of that order. As in PyTorch, an empty
+dataset, or ``drop_last=True`` with fewer samples than ranks, gives every rank an empty
+shard (``len() == 0``, the iteration yields nothing); so does ``pad=False`` for the ranks
+beyond the end of a dataset smaller than the world.
+
+[Note: what counts as consumed]
+The position saved by ``state_dict()`` is ``consumed``, the number of this rank's samples
+used so far in the epoch. Who counts depends on how the sampler is driven:
+
+- A plain ``DataLoader(dataset, batch_size=b, sampler=sampler)`` (PyTorch's tutorial
+  pattern): the sampler counts every index it yields (``count_yields=True``, the
+  default). With ``num_workers=0`` the DataLoader draws a batch's indices just before it
+  builds that batch, so after j batches ``consumed == j * b``: exact. With workers the
+  DataLoader sends indices to the workers ahead of the loop (``prefetch_factor *
+  num_workers`` batches), and they count when sent: a state saved then is ahead of what
+  the loop has seen, and a resume skips those fetched-but-unused samples for the rest of
+  that epoch.
+- :func:`dptrain.prepare_dataloader`: its loader turns the sampler's own counting off
+  (``count_yields=False``) and calls :meth:`DistributedSampler.advance` for each batch it
+  hands to the loop, so the count is exact with any number of workers. Use it (or
+  ``count_yields=False`` and your own ``advance`` calls) when you load with workers and
+  resume mid-epoch.
 
 [Note: resuming, and the rule for a different world size]
-A rank's state records the epoch, the seed and ``consumed``: how many of its samples the
-DataLoader has handed to the training loop (not how many the sampler yielded -- workers
-fetch ahead). Consumed samples of rank r are positions r, r + W, ..., r + (consumed - 1) W.
+A rank's state records the epoch, the seed and ``consumed`` (see the Note above).
+Consumed samples of rank r are positions r, r + W, ..., r + (consumed - 1) W.
 
 - Same world size: rank r skips its first ``consumed`` samples and continues with exactly
   the samples it would have seen next (padding repeats included), so the resumed part
@@ -49,7 +69,9 @@ state and merge them: ``DistributedSampler.merge_states(comm.all_gather_object(s
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -74,6 +96,16 @@ def _default_world() -> tuple[int, int]:
         return dist.get_world_size(), dist.get_rank()
     world = env.get_world()
     return world.world_size, world.rank
+
+
+def _as_int(name: str, value: Any, fix: str) -> int:
+    # Whatever works as a list index works, as in torch's sampler, which slices with the rank:
+    # numpy integers and one-element integer tensors. A bool is refused although torch takes
+    # it: ``rank=dptrain.is_main_process()`` would silently give ranks the wrong shards.
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)
+    raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__}); {fix}")
 
 
 def _dataset_len(dataset: Any) -> int:
@@ -136,14 +168,19 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     onto a different number of ranks, and ``pad=False`` gives the exact-evaluation
     partition: uneven shards in which every sample appears exactly once.
 
-    The rules (global order, padding, what a resume on another world size sees) are in the
-    module's Notes, ``dptrain.data.sampler``.
+    The position counts the indices this sampler has yielded: exact under a plain
+    ``DataLoader`` with ``num_workers=0``; with workers it runs ahead of the loop by the
+    batches they prefetched, and :func:`dptrain.prepare_dataloader` (which counts handed-out
+    batches instead) gives the exact position. The rules (global order, padding, what is
+    counted, what a resume on another world size sees) are in the module's Notes,
+    ``dptrain.data.sampler``.
 
     Args:
         dataset: a map-style dataset (anything with ``len()``), of constant size.
         num_replicas: number of ranks sharing the dataset. Default: the current world size
             (``dptrain.world_size()``; 1 when there is no process group).
-        rank: this rank, ``0 <= rank < num_replicas``. Default: ``dptrain.rank()``.
+        rank: this rank, ``0 <= rank < num_replicas``; any integer type (a numpy integer,
+            a one-element integer tensor) is accepted. Default: ``dptrain.rank()``.
         shuffle: shuffle the order each epoch (seeded by ``seed + epoch``). Default True.
         seed: shuffling seed; must be the same on every rank. Default 0.
         drop_last: cut the tail so every rank gets ``floor(n / num_replicas)`` samples,
@@ -153,21 +190,26 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             training). ``pad=False`` gives ranks ``ceil((n - rank) / num_replicas)``
             samples with no repeats -- use it for evaluation with
             :func:`dptrain.gather_results`. Default True.
+        count_yields: count every yielded index as consumed (see above). ``False`` leaves
+            the counting to :meth:`advance`; the loader of :func:`dptrain.prepare_dataloader`
+            sets that itself. Default True.
 
     Raises:
-        ValueError: ``num_replicas < 1``; ``rank`` outside ``[0, num_replicas)``; an empty
-            dataset; ``drop_last=True`` with fewer samples than ranks (every rank would get
-            none); ``pad=False`` together with ``drop_last=True``.
-        TypeError: the dataset has no ``len()``.
+        ValueError: ``num_replicas < 1``; ``rank`` outside ``[0, num_replicas)``;
+            ``pad=False`` together with ``drop_last=True``.
+        TypeError: ``num_replicas`` or ``rank`` is not an integer (a float, a string, a
+            bool); the dataset has no ``len()``.
 
     Example:
         >>> sampler = dptrain.DistributedSampler(dataset, shuffle=True, seed=0)
-        >>> loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+        >>> loader = DataLoader(dataset, batch_size=32, sampler=sampler)   # num_workers=0
+        >>> if resuming:
+        ...     sampler.load_state_dict(ckpt["sampler"])
         >>> for epoch in range(start_epoch, epochs):
-        ...     sampler.set_epoch(epoch)
+        ...     sampler.set_epoch(epoch)   # the restored epoch keeps the restored position
         ...     for batch in loader:
         ...         ...
-        ...         sampler.advance(len(batch))    # or use dptrain.prepare_dataloader
+        ...         ckpt["sampler"] = sampler.state_dict()   # counts the batches drawn so far
     """
 
     # torch's __init__ is not called: it would ask torch.distributed for defaults (and fail
@@ -182,14 +224,18 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         seed: int = 0,
         drop_last: bool = False,
         pad: bool = True,
+        *,
+        count_yields: bool = True,
     ) -> None:
         if num_replicas is None or rank is None:
             default_world, default_rank = _default_world()
             num_replicas = default_world if num_replicas is None else num_replicas
             rank = default_rank if rank is None else rank
-        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+        num_replicas = _as_int("num_replicas", num_replicas, "pass the number of ranks")
+        rank = _as_int("rank", rank, "pass rank=dptrain.rank() (or leave rank=None)")
+        if num_replicas < 1:
             raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}; pass the number of ranks")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < num_replicas:
+        if not 0 <= rank < num_replicas:
             raise ValueError(
                 f"rank {rank!r} is outside [0, {num_replicas - 1}] for num_replicas={num_replicas}; "
                 f"pass rank=dptrain.rank() (or leave rank=None)"
@@ -200,13 +246,6 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                 "other; use pad=False for exact evaluation or drop_last=True for training"
             )
         n = _dataset_len(dataset)
-        if n == 0:
-            raise ValueError("the dataset is empty (len 0); a sampler over it would give every rank nothing")
-        if drop_last and n < num_replicas:
-            raise ValueError(
-                f"drop_last=True with {n} samples on {num_replicas} ranks gives every rank 0 samples; "
-                f"use drop_last=False (samples are repeated to fill the ranks) or fewer ranks"
-            )
         self.dataset = dataset
         self.num_replicas = num_replicas
         self.rank = rank
@@ -215,6 +254,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.seed = seed
         self.drop_last = drop_last
         self.pad = pad
+        self.count_yields = count_yields  # False: only advance() moves the position
         if pad:
             self.num_samples = (n // num_replicas) if drop_last else math.ceil(n / num_replicas)
             self.total_size = self.num_samples * num_replicas
@@ -226,6 +266,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self._resume_pending = False  # the next __iter__ continues from _history/_consumed
         self._prepared: list[int] | None = None  # indices handed to the next __iter__
         self._current: list[int] | None = None  # what the running iteration yields
+        self._iteration = 0  # numbers iterations; a replaced one no longer counts its yields
         self._order_cache: tuple[Any, list[int]] | None = None
 
     # ---- the order --------------------------------------------------------------------
@@ -245,6 +286,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
     def _start_iteration(self) -> list[int]:
         """Enter the next iteration: the resumed remainder once after a load, else the epoch."""
+        self._iteration += 1
         if self._resume_pending:
             self._resume_pending = False
             skip = self._consumed
@@ -261,7 +303,17 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         indices = self._prepared if self._prepared is not None else self._start_iteration()
         self._prepared = None
-        return iter(indices)
+        if not self.count_yields:
+            return iter(indices)
+        return self._yield_counted(indices, self._iteration)
+
+    def _yield_counted(self, indices: list[int], iteration: int) -> Iterator[int]:
+        for index in indices:
+            # Counted before it is handed over, so a state saved after k items says k. After
+            # set_epoch, load_state_dict or a newer iteration, this one no longer owns the count.
+            if iteration == self._iteration:
+                self._consumed += 1
+            yield index
 
     def __len__(self) -> int:
         """Samples the current (or next) iteration yields on this rank.
@@ -295,6 +347,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             epoch: the epoch number.
         """
         if epoch != self.epoch:
+            self._iteration += 1
             self._history, self._consumed = [], 0
             self._resume_pending = False
             self._prepared = None
@@ -326,13 +379,27 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     def advance(self, num_samples: int) -> None:
         """Record that ``num_samples`` more samples of this rank were handed to the loop.
 
-        The loader from :func:`dptrain.prepare_dataloader` calls this for every batch it
-        yields; call it yourself only when you use this sampler with a plain DataLoader.
-        (The sampler cannot count for itself: DataLoader workers fetch indices ahead.)
+        Only for a sampler built with ``count_yields=False``: the loader from
+        :func:`dptrain.prepare_dataloader` calls this for every batch it yields. Call it
+        yourself when you drive such a sampler with your own DataLoader and workers, and
+        want the position to count what reached your loop rather than what the workers
+        fetched.
 
         Raises:
+            RuntimeError: the sampler counts its yields itself (``count_yields=True``).
             ValueError: ``num_samples`` is negative or goes past the end of this rank's part.
+
+        Example:
+            >>> sampler = dptrain.DistributedSampler(dataset, count_yields=False)
+            >>> for x, y in DataLoader(dataset, batch_size=32, sampler=sampler, num_workers=4):
+            ...     ...
+            ...     sampler.advance(len(x))
         """
+        if self.count_yields:
+            raise RuntimeError(
+                f"rank {self.rank}: advance() on a sampler that counts the indices it yields itself would count "
+                f"them twice; drop the advance() calls, or build it with DistributedSampler(..., count_yields=False)"
+            )
         limit = self._segment_len(self.rank)
         if num_samples < 0 or self._consumed + num_samples > limit:
             raise ValueError(
@@ -462,6 +529,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             self._history, self._consumed = history, counts[self.rank]
         else:
             self._history, self._consumed = history + [(world, counts)], 0
+        self._iteration += 1
         self._resume_pending = True
         self._prepared = None
         self._current = None
