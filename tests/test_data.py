@@ -477,6 +477,13 @@ def test_gather_results_single_process_orders_and_dedups():
         gather_results(torch.ones(1), [0], dst=1)
 
 
+def test_gather_results_single_process_with_no_rows():
+    assert gather_results(torch.empty(0), [], num_samples=0).shape == (0,)
+    out = gather_results(torch.empty(0, 3, dtype=torch.int64), torch.zeros(0))
+    assert out.shape == (0, 3) and out.dtype == torch.int64
+    with pytest.raises(ValueError, match=r"empty list on every rank.*torch.empty\(0, num_classes\)"):
+        gather_results([], [])
+
 
 def test_shuffled_single_process_eval_matches_dataset_order():
     rng = random.Random(0)

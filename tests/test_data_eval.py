@@ -90,6 +90,98 @@ def test_exact_eval_on_4_ranks_to_rank_0():
 
 def test_exact_eval_with_fewer_samples_than_ranks():
     _check_exact_eval(4, 3, 2, None)  # rank 3 evaluates nothing and still takes part
+    _check_exact_eval(3, 2, 1, None)  # rank 2 evaluates nothing
+    _check_exact_eval(3, 1, 2, 2)  # only rank 0 has a sample; rank 2, which has none, gets the result
+
+
+def _tiny_dev_set_rank(rank, n):
+    """Evaluate as the Trainer does, with ``torch.empty(0)`` where a rank had no batch."""
+    import torch.nn.functional as F
+
+    loader = prepare_dataloader(Scored(n), 4, mode="eval")
+    shard = (len(loader), len(loader.sampler), loader.sampler.indices(), list(loader))
+    logits, labels = [], []
+    for x, y in loader:
+        logits.append(torch.stack(_model(x)[0:1] * 2, dim=1))  # (rows, 2) float32
+        labels.append(y)  # int64
+    out = torch.cat(logits) if logits else torch.empty(0)
+    tgt = torch.cat(labels) if labels else torch.empty(0)  # float32 on the empty rank
+    idx = loader.sampler.indices()
+    all_out, all_tgt = gather_results(out, idx, num_samples=n), gather_results(tgt, idx, num_samples=n)
+    empty_list = gather_results([], idx, num_samples=n) if not logits else gather_results(logits, idx)
+    return shard, all_out, all_tgt, F.cross_entropy(all_out, all_tgt).item(), empty_list
+
+
+def test_dev_set_smaller_than_the_world_evaluates_on_every_rank():
+    import torch.nn.functional as F
+
+    for n in (2, 1):
+        results = run_ranks(_tiny_dev_set_rank, 3, n)
+        ds = Scored(n)
+        ref_out = torch.stack(_model(ds.x)[0:1] * 2, dim=1)
+        ref_loss = F.cross_entropy(ref_out, ds.y).item()
+        for rank, (shard, out, tgt, loss, from_list) in enumerate(results):
+            if rank >= n:  # beyond the dataset: an empty shard, not an error
+                assert shard == (0, 0, [], [])
+            else:
+                assert shard[:3] == (1, 1, [rank])
+            assert torch.equal(out, ref_out) and torch.equal(tgt, ds.y) and tgt.dtype == torch.int64
+            assert loss == ref_loss
+            assert torch.equal(from_list, ref_out)
+
+
+def _all_empty_rank(rank, n):
+    loader = prepare_dataloader(Scored(n), 2, mode="eval")
+    idx = loader.sampler.indices()
+    return (
+        len(loader),
+        gather_results(torch.empty(0, 4, dtype=torch.float64), idx, num_samples=0),
+        gather_results(torch.empty(0, 4), idx, dst=1),
+    )
+
+
+def test_every_rank_with_zero_rows_gives_an_empty_result_of_the_known_shape():
+    results = run_ranks(_all_empty_rank, 3, 0)  # an empty dev set: no rank has a sample
+    for rank, (num_batches, out, to_dst) in enumerate(results):
+        assert num_batches == 0 and out.shape == (0, 4) and out.dtype == torch.float64
+        assert (to_dst.shape == (0, 4)) if rank == 1 else to_dst is None
+
+
+def _conflicting_layouts_rank(rank, case):
+    values = {
+        "stated shape": [torch.ones(2, 3), torch.empty(0, 4), torch.empty(0)],
+        "rows": [torch.ones(2, 3), torch.ones(1, 3, dtype=torch.float64), torch.empty(0)],
+        "no layout": [[], [], []],
+    }[case][rank]
+    try:
+        gather_results(values, list(range(len(values))))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_conflicting_layouts_raise_on_every_rank_and_name_the_ranks():
+    expected = {
+        "stated shape": "got rank 0: ((3,), float32), rank 1: ((4,), float32, 0 rows)",
+        "rows": "got rank 0: ((3,), float32), rank 1: ((3,), float64)",
+        "no layout": "empty list on every rank",
+    }
+    for case, text in expected.items():
+        for rank, msg in enumerate(run_ranks(_conflicting_layouts_rank, 3, case)):
+            assert msg is not None and msg.startswith(f"rank {rank}: ") and text in msg, (case, msg)
+
+
+def _uneven_with_empty_rank(rank, rows):
+    t = torch.arange(rows[rank] * 3, dtype=torch.float32).reshape(rows[rank], 3) + 100 * rank
+    return [x.clone() for x in comm.all_gather_uneven(t)]
+
+
+def test_all_gather_uneven_with_zero_rows_on_some_or_all_ranks():
+    for rows in ([2, 0, 1], [0, 0, 0], [0, 3, 0]):
+        expected = [torch.arange(r * 3, dtype=torch.float32).reshape(r, 3) + 100 * k for k, r in enumerate(rows)]
+        for got in run_ranks(_uneven_with_empty_rank, 3, rows):
+            assert [g.shape for g in got] == [e.shape for e in expected]
+            assert all(torch.equal(g, e) for g, e in zip(got, expected))
 
 
 def _padded_eval_rank(rank, n):

@@ -27,6 +27,44 @@ def _as_values(values: Any) -> torch.Tensor | None:
     return torch.as_tensor(values)
 
 
+# How firmly a rank's values fix the trailing shape and dtype of the result: rows do; a 0-row
+# tensor of 2+ dimensions states a trailing shape; a 0-row 1-D tensor (``torch.empty(0)``, the
+# usual "nothing here") only says something when no rank knows better; an empty list, nothing.
+_ROWS, _SHAPED, _FLAT = 2, 1, 0
+
+
+def _layout(vals: torch.Tensor | None) -> tuple[int, tuple[int, ...], str] | None:
+    if vals is None:
+        return None
+    firmness = _ROWS if vals.shape[0] else (_SHAPED if vals.dim() > 1 else _FLAT)
+    return firmness, tuple(vals.shape[1:]), str(vals.dtype).removeprefix("torch.")
+
+
+def _agreed_layout(me: int, layouts: list) -> tuple[tuple[int, ...], torch.dtype]:
+    """The trailing shape and dtype of the result, from the ranks that fix them most firmly."""
+    given = [(r, lay) for r, lay in enumerate(layouts) if lay is not None]
+    if not given:
+        raise ValueError(
+            f"rank {me}: gather_results got an empty list on every rank, so the result's trailing shape and dtype "
+            f"are unknown; pass a tensor with 0 rows to give them, e.g. torch.empty(0, num_classes)"
+        )
+    top = max(lay[0] for _, lay in given)
+    deciding = [(r, lay) for r, lay in given if lay[0] == top]
+    # A stated shape must agree too, even without rows: it says what the rank would produce.
+    stated = [(r, lay) for r, lay in given if lay[0] == _SHAPED and top == _ROWS]
+    shapes_and_types = {lay[1:] for _, lay in deciding}
+    shapes = {lay[1] for _, lay in deciding + stated}
+    if len(shapes_and_types) > 1 or len(shapes) > 1:
+        listing = ", ".join(f"rank {r}: ({lay[1]}, {lay[2]}{'' if lay[0] == _ROWS else ', 0 rows'})"
+                            for r, lay in deciding + stated)
+        raise ValueError(
+            f"rank {me}: gather_results needs the same trailing shape and dtype on every rank; got {listing}. "
+            f"A rank without results may pass an empty list or torch.empty(0)"
+        )
+    trailing, dtype_name = shapes_and_types.pop()
+    return trailing, getattr(torch, dtype_name)
+
+
 def _as_indices(indices: Any) -> torch.Tensor:
     if isinstance(indices, (list, tuple)) and indices and all(isinstance(i, torch.Tensor) for i in indices):
         indices = torch.cat([i.reshape(-1) for i in indices])
@@ -51,8 +89,12 @@ def gather_results(
 
     Args:
         values: this rank's results, first dimension = samples: a tensor, or a list of
-            per-batch tensors (concatenated), or an empty list when the rank had no samples.
-            Other dimensions and the dtype must agree across ranks.
+            per-batch tensors (concatenated). Other dimensions and the dtype must agree
+            across the ranks that have rows. A rank with no samples passes an empty list or
+            ``torch.empty(0)`` and takes trailing shape and dtype from its peers; a 0-row
+            tensor of more dimensions (``torch.empty(0, num_classes)``) states its trailing
+            shape, which must then agree, and which shapes the (empty) result when no
+            rank has any row.
         indices: the dataset index of each row of ``values`` (a tensor, a list of ints or of
             per-batch tensors), e.g. ``loader.sampler.indices()``.
         dst: ``None`` (default): every rank gets the result. A rank number: only that rank
@@ -66,8 +108,9 @@ def gather_results(
 
     Raises:
         ValueError: ``values`` and ``indices`` differ in length, a negative index, ranks
-            disagree on the trailing shape or dtype, ``dst`` is not a rank, or the indices do
-            not cover ``num_samples`` exactly.
+            disagree on the trailing shape or dtype, every rank passed an empty list (no
+            shape to give the result), ``dst`` is not a rank, or the indices do not cover
+            ``num_samples`` exactly.
         CollectiveError: a peer failed or timed out.
 
     Example:
@@ -89,23 +132,13 @@ def gather_results(
         )
     if count and int(idx.min()) < 0:
         raise ValueError(f"rank {me}: gather_results got a negative index {int(idx.min())}; indices are dataset positions")
-    meta = None if vals is None else (tuple(vals.shape[1:]), str(vals.dtype))
-    gathered = comm.all_gather_object((count, meta))
+    gathered = comm.all_gather_object((count, _layout(vals)))
     total = sum(c for c, _ in gathered)
-    metas = [m for _, m in gathered]
-    known = {m for m in metas if m is not None}
-    if len(known) > 1:
-        listing = ", ".join(f"rank {r}: {m}" for r, m in enumerate(metas) if m is not None)
-        raise ValueError(
-            f"rank {me}: gather_results needs the same trailing shape and dtype on every rank; got {listing}"
-        )
-    if not known:
-        raise ValueError(
-            "gather_results got no values on any rank (all passed empty lists); pass a tensor with 0 rows to give the shape"
-        )
-    trailing, dtype_name = known.pop()
-    if vals is None:
-        vals = torch.empty((0, *trailing), dtype=getattr(torch, dtype_name.split(".")[-1]), device=env.device())
+    trailing, dtype = _agreed_layout(me, [m for _, m in gathered])
+    if vals is None or (count == 0 and size > 1):
+        # A rank without rows takes the layout of its peers (its placeholder holds no value)
+        # and the collective's device (a CPU ``torch.empty(0)`` cannot join an NCCL gather).
+        vals = torch.empty((0, *trailing), dtype=dtype, device=env.device())
     idx = idx.to(vals.device)
     if size > 1 and total > 0:  # (zero-size collectives are skipped: nothing to move)
         all_vals = torch.cat(comm.all_gather_uneven(vals))
