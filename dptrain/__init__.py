@@ -30,7 +30,7 @@ from dptrain.parallel.fsdp import FSDP, FullyShardedDataParallel
 from dptrain.parallel.dp import DataParallel
 from dptrain import checkpoint
 from dptrain.seeding import seed_everything
-from dptrain.trainer import Trainer, TrainerConfig
+from dptrain.train import Trainer, TrainerConfig
 
 __version__ = "0.1.0"
 

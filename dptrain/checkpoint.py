@@ -9,21 +9,25 @@ containers of primitives (``save`` checks that up front and names the offending 
 Model weights are stored with plain-model keys (no ``module.`` prefix); every loader here
 accepts both forms, so a checkpoint from a DDP run loads into a bare model and back.
 
-[Note: FSDP checkpoints]
+[Note: sharded optimizer state]
 For a model wrapped in :class:`dptrain.FullyShardedDataParallel` the Trainer stores the
-*full* weights (gathered with ``full_state_dict(rank0_only=True)``, so the file loads into a
-plain model like any other) and every rank's optimizer shard, gathered to rank 0 into one
-list ``optimizer_per_rank``. One file keeps the complete-or-absent guarantee of a single
-rename; resuming the optimizer then needs the same world size (the weights load anywhere).
+*full* weights in the checkpoint (gathered to rank 0 with ``full_state_dict(rank0_only=True)``,
+so the file loads into a plain model like any other), and each rank's optimizer shard in a
+file of its own next to it, ``rank<r>-of-<N>.<checkpoint name>``, written by that rank: no rank
+ever holds another rank's shard. The shard files are written first and the checkpoint
+itself last, so the checkpoint's (atomic) appearance is what makes the set complete;
+shard files without their checkpoint are leftovers of an interrupted save and are removed.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
 import pickle
 import re
+import shutil
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -42,6 +46,9 @@ __all__ = [
     "list_checkpoints",
     "latest_checkpoint",
     "prune_checkpoints",
+    "shard_path",
+    "remove_stale_temporaries",
+    "describe_mismatch",
 ]
 
 #: Prefixes that wrappers add to state-dict keys: DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``.
@@ -49,10 +56,15 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 _TMP_MARK = ".tmp-"
 _NAME_RE = re.compile(r"^ckpt-e(\d+)-s(\d+)\.pt$")
+_SHARD_RE = re.compile(r"^rank(\d+)-of-(\d+)\.(ckpt-e\d+-s\d+\.pt)$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file is truncated, corrupt, or holds something it must not."""
+    """A checkpoint file is truncated, corrupt, holds something it must not, or cannot be written."""
+
+
+class CheckpointSpaceError(CheckpointError, OSError):
+    """The disk is full: the checkpoint was not written (the previous files are intact)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -92,10 +104,50 @@ def _fsync_dir(directory: str) -> None:
             os.close(fd)
 
 
-def _atomic_write(path: str, write) -> str:
+def _nbytes(obj: Any) -> int:
+    """The bytes of the tensors inside ``obj`` (what a torch.save of it writes, near enough)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def _no_space(path: str, needed: int, free: int) -> CheckpointSpaceError:
+    err = CheckpointSpaceError(
+        f"no space left on device: writing {path!r} needs about {_mb(needed)} but "
+        f"{os.path.dirname(os.path.abspath(path))!r} has {_mb(free)} free; nothing was written and the files "
+        f"already there are kept. Free some space, or write checkpoints elsewhere"
+    )
+    err.errno = errno.ENOSPC
+    return err
+
+
+def _looks_like_full_disk(exc: BaseException, directory: str, needed: int) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # torch.save reports a short write as a RuntimeError ("file write failed",
+    # "iostream error"); ask the filesystem whether it is full.
+    with contextlib.suppress(OSError):
+        return shutil.disk_usage(directory).free < max(needed, 1) + 2**20
+    return False
+
+
+def _atomic_write(path: str, write, nbytes: int = 0) -> str:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    free = None
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(directory).free
+    if free is not None and nbytes > free:
+        raise _no_space(path, nbytes, free)  # fail before writing a single byte
     tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARK}{os.getpid()}")
     try:
         write(tmp)
@@ -103,9 +155,14 @@ def _atomic_write(path: str, write) -> str:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if isinstance(exc, Exception) and not isinstance(exc, CheckpointError) and _looks_like_full_disk(exc, directory, nbytes):
+            free = 0
+            with contextlib.suppress(OSError):
+                free = shutil.disk_usage(directory).free
+            raise _no_space(path, nbytes, free) from exc
         raise
     _fsync_dir(directory)
     return path
@@ -128,13 +185,15 @@ def save(obj: Any, path: str | os.PathLike) -> str:
     Raises:
         ValueError: ``obj`` holds something ``load`` could not read back with
             ``weights_only=True`` (the message names the entry); nothing is written.
+        CheckpointSpaceError: the disk is full (also an ``OSError`` with errno ENOSPC); the
+            message names the file, the bytes needed and the space free. Nothing is written.
         OSError: the write failed; the previous file at ``path`` is intact.
 
     Example:
         >>> checkpoint.save({"model": model.state_dict(), "epoch": 3}, "ckpt/last.pt")
     """
     _check_loadable(obj)
-    return _atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    return _atomic_write(path, lambda tmp: torch.save(obj, tmp), nbytes=_nbytes(obj))
 
 
 def load(path: str | os.PathLike, map_location: Any = None) -> Any:
@@ -164,15 +223,30 @@ def load(path: str | os.PathLike, map_location: Any = None) -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            f"checkpoint {path!r} ({size} bytes) cannot be loaded with weights_only=True: it is corrupt or holds "
-            f"pickled objects other than tensors and primitives ({exc})"
-        ) from exc
+        raise CheckpointError(_unpickling_problem(path, size, exc)) from None
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds (zip, struct, EOF, unicode) on bad bytes
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
-            f"checkpoint {path!r} ({size} bytes) is truncated or corrupt and cannot be read: {exc}. "
+            f"checkpoint {path!r} ({size} bytes) is truncated or corrupt and cannot be read ({reason}). "
             f"Resume from an earlier checkpoint (see dptrain.checkpoint.list_checkpoints)"
-        ) from exc
+        ) from None
+
+
+def _unpickling_problem(path: str, size: int, exc: BaseException) -> str:
+    # torch's own text advises weights_only=False, which would run whatever code the file
+    # holds; say what is wrong instead.
+    text = str(exc)
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if found:
+        return (
+            f"checkpoint {path!r} ({size} bytes) holds a pickled {found.group(1)} object; dptrain loads checkpoints "
+            f"with weights_only=True, which refuses objects other than tensors and plain containers (they could run "
+            f"code). Save tensors, numbers, strings and lists/dicts of them"
+        )
+    return (
+        f"checkpoint {path!r} ({size} bytes) is not a PyTorch checkpoint, or it is corrupt: its content cannot be "
+        f"unpickled under weights_only=True. Resume from an earlier checkpoint (see dptrain.checkpoint.list_checkpoints)"
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -237,27 +311,75 @@ def _is_fsdp(model: Any) -> bool:
     return hasattr(model, "full_state_dict") and hasattr(model, "load_full_state_dict")
 
 
-def load_model_state(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True):
+def load_model_state(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True, source: str = "the state dict"):
     """Load weights into ``model`` whether or not either side carries the ``module.`` prefix.
 
     ``model`` may be a plain module, our or torch's DDP, DataParallel, or our FSDP (then it
     must be called on every rank with the full state dict).
 
+    Args:
+        model: where the weights go.
+        state_dict: the weights, with or without wrapper prefixes.
+        strict: keys must match exactly (as ``nn.Module.load_state_dict``). Default True.
+        source: how to name the weights in an error, e.g. the checkpoint's path.
+
     Returns:
         ``load_state_dict``'s result (missing and unexpected keys), or None for FSDP.
 
     Raises:
-        RuntimeError: ``strict`` and the keys or shapes do not match (torch's message).
+        CheckpointError (a ``RuntimeError``): the keys (with ``strict``) or the shapes do not
+            match; the message names ``source`` and the first missing, unexpected and
+            mis-shaped entries with their shapes.
 
     Example:
-        >>> load_model_state(plain_model, checkpoint.load("ckpt.pt")["model"])
+        >>> load_model_state(plain_model, checkpoint.load("ckpt.pt")["model"], source="ckpt.pt")
     """
     clean = strip_prefix(state_dict)
     target = unwrap_model(model)
     if _is_fsdp(target):
-        target.load_full_state_dict(clean)
+        try:
+            target.load_full_state_dict(clean)
+        except ValueError as exc:
+            raise CheckpointError(f"{source} does not fit this model: {exc}") from None
         return None
+    problem = describe_mismatch(target.state_dict(), clean, strict=strict)
+    if problem:
+        raise CheckpointError(
+            f"{source} does not fit this model ({type(target).__name__}): {problem}. Was it written for another "
+            f"model, or the same model built with other arguments?"
+        )
     return target.load_state_dict(clean, strict=strict)
+
+
+def _shape(v: Any) -> str:
+    return str(tuple(v.shape)) if isinstance(v, torch.Tensor) else type(v).__name__
+
+
+def describe_mismatch(expected: Mapping[str, Any], given: Mapping[str, Any], strict: bool = True, limit: int = 3) -> str:
+    """What differs between a model's state dict and one to load into it ('' when it fits).
+
+    Example:
+        >>> describe_mismatch({"w": torch.zeros(2)}, {"w": torch.zeros(3)})
+        "size mismatch for 1 key(s) ('w': given (3,), model (2,))"
+    """
+    parts = []
+    missing = [k for k in expected if k not in given]
+    unexpected = [k for k in given if k not in expected]
+    mis_shaped = [
+        k for k in expected
+        if k in given and isinstance(given[k], torch.Tensor) and isinstance(expected[k], torch.Tensor)
+        and given[k].shape != expected[k].shape
+    ]  # fmt: skip
+    if strict and missing:
+        listed = ", ".join(f"'{k}' {_shape(expected[k])}" for k in missing[:limit])
+        parts.append(f"Missing key(s): {len(missing)} (first: {listed})")
+    if strict and unexpected:
+        listed = ", ".join(f"'{k}' {_shape(given[k])}" for k in unexpected[:limit])
+        parts.append(f"Unexpected key(s): {len(unexpected)} (first: {listed})")
+    if mis_shaped:
+        listed = ", ".join(f"'{k}': given {_shape(given[k])}, model {_shape(expected[k])}" for k in mis_shaped[:limit])
+        parts.append(f"size mismatch for {len(mis_shaped)} key(s) ({listed})")
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------
@@ -340,8 +462,18 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     return found[-1] if found else None
 
 
+def shard_path(path: str | os.PathLike, rank: int, world_size: int) -> str:
+    """Where rank ``rank`` of ``world_size`` keeps its part of checkpoint ``path`` (see [Note: sharded optimizer state])."""
+    path = os.fspath(path)
+    return os.path.join(os.path.dirname(path), f"rank{rank}-of-{world_size}.{os.path.basename(path)}")
+
+
+def _shards_of(directory: str, name: str) -> list[str]:
+    return [os.path.join(directory, n) for n in os.listdir(directory) if (m := _SHARD_RE.match(n)) and m.group(3) == name]
+
+
 def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[str]:
-    """Delete all but the newest ``keep_last`` checkpoints and leftover temporary files; return what was removed.
+    """Delete all but the newest ``keep_last`` checkpoints (and their shard files); return what was removed.
 
     ``keep_last <= 0`` keeps everything.
     """
@@ -350,22 +482,27 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[str]
     found = list_checkpoints(directory)
     if keep_last > 0:
         for p in found[:-keep_last]:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(p)
-                removed.append(p)
+            for part in _shards_of(directory, os.path.basename(p)) + [p]:  # the checkpoint itself last
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(part)
+                    removed.append(part)
     return removed
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[str]:
-    """Delete temporary files that a writer killed mid-save left behind; return them.
+    """Delete what an interrupted save left behind; return the names removed.
 
-    Only call it when no save is in progress (the Trainer does at start, on rank 0).
+    That is temporary files of a writer killed mid-save, and shard files whose checkpoint
+    was never completed. Only call it when no save is in progress (the Trainer does at
+    start, on rank 0).
     """
     directory = os.fspath(directory)
     removed = []
     if os.path.isdir(directory):
-        for name in os.listdir(directory):
-            if name.startswith(".") and _TMP_MARK in name:
+        names = set(os.listdir(directory))
+        for name in sorted(names):
+            m = _SHARD_RE.match(name)
+            if (name.startswith(".") and _TMP_MARK in name) or (m and m.group(3) not in names):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(directory, name))
                     removed.append(name)

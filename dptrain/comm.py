@@ -31,6 +31,7 @@ __all__ = [
     "all_gather",
     "barrier",
     "all_gather_object",
+    "gather_object",
     "broadcast_object",
     "all_gather_uneven",
     "is_distributed",
@@ -336,6 +337,34 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     _call("all_gather_object", lambda: dist.all_gather_object(out, obj, group=group), (), group)
+    return out
+
+
+def gather_object(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
+    """Collect one picklable object from every rank on rank ``dst`` only.
+
+    Unlike :func:`all_gather_object`, the other ranks never hold their peers' objects,
+    which matters when the objects are large (per-rank state for a checkpoint).
+
+    Args:
+        obj: this rank's object.
+        dst: global rank that receives. Default 0.
+        group: process group; default the whole world.
+
+    Returns:
+        On ``dst``, the objects in rank order; elsewhere None.
+
+    Raises:
+        CollectiveError: a peer failed or timed out.
+
+    Example:
+        >>> states = comm.gather_object(get_rng_state(), dst=0)   # a list on rank 0, None elsewhere
+    """
+    if not is_distributed(group):
+        return [obj]
+    me = dist.get_rank()
+    out: list[Any] | None = [None] * dist.get_world_size(group) if me == dst else None
+    _call("gather_object", lambda: dist.gather_object(obj, out, dst=dst, group=group), (), group)
     return out
 
 

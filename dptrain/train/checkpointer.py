@@ -1,0 +1,311 @@
+"""The Checkpointer: everything about the Trainer's checkpoint directory.
+
+It owns the directory's layout (``ckpt-e<epoch>-s<step>.pt``, ``best.pt``, the shard files
+of sharded optimizer state), writes atomically and agrees with every rank on the outcome,
+prunes old checkpoints, and chooses what a run resumes from. What goes into a checkpoint is
+a dict of *stateful* objects -- anything with ``state_dict()`` / ``load_state_dict()`` --
+handed over by the Trainer; an object whose ``sharded`` attribute is true is written by
+every rank into a file of its own, the others by rank 0 into the checkpoint itself.
+
+[Note: a save is a collective]
+Every rank calls :meth:`Checkpointer.save`. Sharded parts are written first, each by its
+rank; the ranks then agree (one small gather) that all of them succeeded; rank 0 writes
+the checkpoint (the commit point: its atomic rename makes the set complete) and tells the
+others how that went. A failure anywhere -- a full disk, an unwritable file -- is raised on
+every rank with the same message, so no rank waits for a peer that gave up, and nothing is
+pruned: the newest complete checkpoint stays.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Mapping
+
+from dptrain import checkpoint as ckpt
+from dptrain import comm, env
+from dptrain.env import _warn_once_main
+
+__all__ = ["Checkpointer", "CHECKPOINT_FORMAT", "notice"]
+
+#: ``format`` of a Trainer checkpoint. Version 1 (one dict with the progress at the top
+#: level and every rank's FSDP optimizer shard inside) is still read.
+CHECKPOINT_FORMAT = "dptrain.trainer/2"
+_FORMAT_V1 = "dptrain.trainer/1"
+BEST_NAME = "best.pt"
+
+
+def notice(message: str) -> None:
+    """A one-line message to the user, from rank 0 only, on stderr (never lost in warnings filters)."""
+    if env.get_world().rank == 0:
+        print(f"dptrain: {message}", file=sys.stderr, flush=True)
+
+
+def _agree(error: str | None) -> str | None:
+    """Every rank's outcome of a step, gathered: the first failure (naming its rank), or None."""
+    outcomes = comm.all_gather_object(error)
+    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
+    if not failed:
+        return None
+    r, e = failed[0]
+    return e if len(outcomes) == 1 else f"rank {r}: {e}"
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, ckpt.CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+class Checkpointer:
+    """Checkpoint directory of a run: names, atomic collective saves, pruning, best model, resume choice.
+
+    Args:
+        directory: the checkpoint directory, or None (no checkpoints; saving needs a path).
+        keep_last: keep only the newest K checkpoints (0: all).
+        rank, world_size: this process's place in the job.
+    """
+
+    def __init__(self, directory: str | None, keep_last: int, rank: int, world_size: int) -> None:
+        self.directory = os.fspath(directory) if directory is not None else None
+        self.keep_last = keep_last
+        self.rank = rank
+        self.world_size = world_size
+
+    # -- layout -----------------------------------------------------------------------
+    def path_for(self, epoch: int, step: int) -> str:
+        if not self.directory:
+            raise ValueError("saving a checkpoint needs a path, or TrainerConfig(checkpoint_dir=...)")
+        return ckpt.checkpoint_path(self.directory, epoch, step)
+
+    @property
+    def best_path(self) -> str | None:
+        return os.path.join(self.directory, BEST_NAME) if self.directory else None
+
+    def newest(self) -> str | None:
+        return ckpt.latest_checkpoint(self.directory) if self.directory else None
+
+    # -- start of a run ---------------------------------------------------------------
+    def prepare(self) -> None:
+        """Clean what an interrupted save left and check, before any training, that the
+        directory can be written (every rank raises the same error if not)."""
+        if not self.directory:
+            return
+        error = None
+        if self.rank == 0:
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+                ckpt.remove_stale_temporaries(self.directory)
+                probe = os.path.join(self.directory, f".write-probe{ckpt._TMP_MARK}{os.getpid()}")
+                with open(probe, "wb") as fh:
+                    fh.write(b"dptrain")
+                os.remove(probe)
+            except OSError as exc:
+                error = (
+                    f"checkpoint_dir {self.directory!r} cannot be written ({type(exc).__name__}: {exc.strerror or exc}); "
+                    f"found before training started. Pass a writable TrainerConfig(checkpoint_dir=...)"
+                )
+        error = comm.broadcast_object(error, src=0)
+        if error:
+            raise ckpt.CheckpointError(error)
+
+    # -- saving -----------------------------------------------------------------------
+    def save(self, states: Mapping[str, Any], path: str | None = None, *, epoch: int = 0, step: int = 0,
+             prune: bool = True) -> str:
+        """Write ``states`` (a dict of stateful objects or plain values) as one checkpoint.
+
+        Collective: call it on every rank (see [Note: a save is a collective]). Returns the
+        checkpoint's path.
+
+        Raises:
+            CheckpointError: writing failed on some rank (every rank raises the same
+                message; the files already there are kept). CheckpointSpaceError for a full disk.
+        """
+        path = os.fspath(path) if path is not None else self.path_for(epoch, step)
+        main: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "world_size": self.world_size}
+        shards: dict[str, Any] = {}
+        for name, obj in states.items():
+            value = obj.state_dict() if hasattr(obj, "state_dict") else obj
+            if getattr(obj, "sharded", False):
+                shards[name] = value
+            else:
+                main[name] = value
+        main["sharded"] = sorted(shards)
+        error = None
+        if shards:
+            try:
+                ckpt.save(shards, ckpt.shard_path(path, self.rank, self.world_size))
+            except Exception as exc:  # noqa: BLE001 - agreed with the other ranks below
+                error = _describe(exc)
+            error = _agree(error)
+        if error is None and self.rank == 0:
+            try:
+                ckpt.save(main, path)
+                if prune and self.directory and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.directory):
+                    ckpt.prune_checkpoints(self.directory, self.keep_last)
+            except Exception as exc:  # noqa: BLE001 - broadcast to the other ranks below
+                error = _describe(exc) if self.world_size == 1 else f"rank 0: {_describe(exc)}"
+        error = comm.broadcast_object(error, src=0)
+        if error is not None:
+            if self.rank == 0 and shards:
+                for r in range(self.world_size):
+                    try:
+                        os.remove(ckpt.shard_path(path, r, self.world_size))
+                    except OSError:
+                        pass
+            newest = self.newest()
+            kept = f" The newest complete checkpoint is {newest!r}." if newest else ""
+            raise ckpt.CheckpointError(f"saving checkpoint {path!r} failed ({error}).{kept}")
+        return path
+
+    def save_best(self, payload: dict[str, Any]) -> None:
+        """Write ``best.pt`` (rank 0; not collective: the best model is known on every rank)."""
+        if self.directory and self.rank == 0:
+            ckpt.save(payload, self.best_path)
+
+    def load_best(self) -> dict[str, Any] | None:
+        path = self.best_path
+        if path and os.path.exists(path):
+            return ckpt.load(path, map_location="cpu")
+        return None
+
+    # -- choosing what to resume from ----------------------------------------------------
+    def resume_candidates(self, resume: Any, restart_count: int) -> list[str]:
+        """The checkpoints to try, best first, for ``Trainer(resume=...)``; [] for a fresh start.
+
+        ``resume=path``: that file (missing: FileNotFoundError). ``"auto"``/True: the
+        checkpoints of the directory, newest first (none: a loud notice). None: like
+        ``"auto"`` when the launcher restarted the job, else a fresh start. False: a fresh
+        start. A fresh start in a directory that holds an earlier run's checkpoints moves
+        them aside first, so the two runs never mix.
+        """
+        if resume is None:
+            # A job the launcher restarted continues where it stopped -- if it keeps checkpoints.
+            resume = "auto" if restart_count > 0 and self.directory else False
+        if resume is True or resume == "auto":
+            if not self.directory:
+                raise ValueError("resume='auto' needs TrainerConfig(checkpoint_dir=...) to look for checkpoints")
+            # Rank 0 lists, so every rank tries the same files in the same order.
+            found = comm.broadcast_object(ckpt.list_checkpoints(self.directory) if self.rank == 0 else None, src=0)
+            if not found:
+                notice(
+                    f"resume requested but no checkpoint was found in {self.directory!r}; training from scratch "
+                    f"(check --model_dir / checkpoint_dir if you expected to continue)"
+                )
+            return list(reversed(found))
+        if resume is not False:
+            path = os.fspath(resume)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"resume={path!r}: no such checkpoint file; check the path (or pass resume='auto')")
+            return [path]
+        self._move_aside_earlier_run()
+        return []
+
+    def _move_aside_earlier_run(self) -> None:
+        if not (self.directory and self.rank == 0 and ckpt.list_checkpoints(self.directory)):
+            return
+        # A fresh run must not mix with an old one's files (the newest by step would win a
+        # later resume, and pruning would delete the new ones): move them aside.
+        aside = os.path.join(self.directory, "superseded-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+        os.makedirs(aside, exist_ok=True)
+        for old in ckpt.list_checkpoints(self.directory):
+            for part in ckpt._shards_of(self.directory, os.path.basename(old)) + [old]:
+                os.replace(part, os.path.join(aside, os.path.basename(part)))
+        if os.path.exists(self.best_path):
+            os.replace(self.best_path, os.path.join(aside, BEST_NAME))
+        _warn_once_main(
+            f"checkpoint_dir {self.directory!r} already held checkpoints of an earlier run; starting fresh and moving them "
+            f"to {aside!r}. Pass resume='auto' (the examples' --resume) to continue from the newest instead"
+        )
+
+    # -- loading ----------------------------------------------------------------------
+    def read(self, path: str, map_location: Any) -> dict[str, Any]:
+        """Read checkpoint ``path`` and this rank's shard file, as one dict (no collective).
+
+        Raises:
+            FileNotFoundError, CheckpointError: a file is missing, truncated or corrupt.
+            ValueError: the file is not a Trainer checkpoint, or its sharded parts were
+                written by another number of ranks.
+        """
+        state = ckpt.load(path, map_location=map_location)
+        fmt = state.get("format") if isinstance(state, Mapping) else None
+        if fmt == _FORMAT_V1:
+            return _from_format_v1(state, self.rank, self.world_size, path)
+        if fmt != CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"{path!r} is not a dptrain Trainer checkpoint (format {fmt!r}); to load bare weights use "
+                f"dptrain.checkpoint.load_model_state(model, dptrain.checkpoint.load(path))"
+            )
+        if state.get("sharded"):
+            saved_world = int(state["world_size"])
+            if saved_world != self.world_size:
+                raise ValueError(
+                    f"rank {self.rank}: {path!r} holds {state['sharded']} sharded over {saved_world} ranks but this "
+                    f"job has {self.world_size}; resume it with {saved_world} ranks (its weights load anywhere: "
+                    f"dptrain.checkpoint.load(path)['model'])"
+                )
+            state.update(ckpt.load(ckpt.shard_path(path, self.rank, saved_world), map_location=map_location))
+        return state
+
+    def read_first_readable(self, candidates: list[str], map_location: Any) -> tuple[str | None, dict | None]:
+        """Read the first candidate every rank can read; name each one skipped and why.
+
+        Collective. A candidate that some rank cannot read (truncated, corrupt, a shard
+        file missing) is skipped -- never deleted -- with a notice naming it. Returns
+        ``(None, None)`` for no candidates.
+
+        Raises:
+            CheckpointError: none of the candidates could be read (each one is listed).
+        """
+        skipped = []
+        for path in candidates:
+            state, error = None, None
+            try:
+                state = self.read(path, map_location)
+            except (OSError, ckpt.CheckpointError) as exc:
+                error = _describe(exc)
+            error = _agree(error) if self.world_size > 1 else error
+            if error is None:
+                if skipped:
+                    notice(f"resuming from {path!r} instead")
+                return path, state
+            skipped.append(f"{path!r}: {error}")
+            if len(candidates) > 1:
+                notice(f"skipping checkpoint {path!r}, which cannot be read ({error}); the file is left in place")
+        if not candidates:
+            return None, None
+        if len(candidates) == 1:
+            raise ckpt.CheckpointError(skipped[0].split(": ", 1)[1])
+        raise ckpt.CheckpointError(
+            f"none of the {len(candidates)} checkpoints in {self.directory!r} can be read: " + "; ".join(skipped)
+        )
+
+
+def _from_format_v1(state: dict[str, Any], rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """A format-1 checkpoint (one flat dict) in today's layout."""
+    tr = state["trainer"]
+    out = {
+        "format": CHECKPOINT_FORMAT,
+        "world_size": state["world_size"],
+        "model": state["model"],
+        "scheduler": state.get("scheduler"),
+        "scaler": state.get("scaler"),
+        "per_rank": state["per_rank"],
+        "train_loader": state.get("train_loader"),
+        "config": state.get("config"),
+        "train_state": {
+            "epoch": state["epoch"], "batch_in_epoch": state["batch_in_epoch"], "global_step": state["global_step"],
+            "history": tr["history"], "best_metric": tr["best_metric"], "best_epoch": tr["best_epoch"],
+        },
+    }
+    if "optimizer_per_rank" in state:
+        shards = state["optimizer_per_rank"]
+        if len(shards) != world_size:
+            raise ValueError(
+                f"rank {rank}: {path!r} holds FSDP optimizer shards for {len(shards)} ranks but this job has {world_size}; "
+                f"resume with the same world size"
+            )
+        out["optimizer"] = shards[rank]
+    else:
+        out["optimizer"] = state["optimizer"]
+    return out
+

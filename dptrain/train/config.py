@@ -1,0 +1,162 @@
+"""TrainerConfig: every setting of the Trainer, validated once, on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["TrainerConfig", "STRATEGIES", "NAN_POLICIES"]
+
+#: Names accepted by ``TrainerConfig(strategy=...)``.
+STRATEGIES = ("ddp", "fsdp", "torch-ddp", "none")
+#: What the Trainer does when a loss or gradient norm is not finite.
+NAN_POLICIES = ("stop", "skip", "off")
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """Settings of a :class:`dptrain.Trainer`; validated on construction.
+
+    Attributes:
+        strategy: how the model is replicated: ``"ddp"`` (dptrain's DDP), ``"fsdp"``
+            (dptrain's FSDP), ``"torch-ddp"`` (PyTorch's DDP, for comparison) or ``"none"``.
+            Default None: ``"ddp"`` when the world has more than one process, else ``"none"``.
+        batch_size: per-rank batch size, used only when datasets (not loaders) are given.
+        eval_batch_size: per-rank batch size for dev/test datasets. Default: ``batch_size``.
+        num_workers: DataLoader workers when the Trainer builds the loaders. Default 0.
+        seed: sampler seed when the Trainer builds the loaders. Default 0.
+        gradient_accumulation_steps: micro-batches per optimizer step; the first k-1 run
+            under ``no_sync()``. Default 1.
+        max_grad_norm: clip the global gradient norm to this value. Default None (no clipping).
+        amp: automatic mixed precision. On CUDA with ``float16`` (and a gradient scaler) or
+            ``bfloat16``; on CPU with ``bfloat16`` only (CPU autocast); ``amp=True`` with
+            ``float16`` on CPU warns once and trains in fp32. Default False.
+        amp_dtype: ``"float16"`` or ``"bfloat16"``. Default ``"float16"``.
+        scheduler_interval: ``"epoch"`` or ``"step"``: when ``scheduler.step()`` runs. Default ``"epoch"``.
+        checkpoint_dir: where checkpoints go. Default None (no checkpoints).
+        save_every: write a checkpoint every this many epochs (0: never at epoch ends). Default 1.
+        save_every_steps: also every this many optimizer steps (0: never). Default 0.
+        keep_last: keep only the newest K checkpoints (0: keep all). Default 3.
+        best_metric: dev metric that selects the best model (``"loss"`` or a key returned by
+            ``metric_fn``); non-finite values never become the best. Default ``"loss"``.
+        best_mode: ``"min"`` or ``"max"``: whether smaller or larger ``best_metric`` is better.
+            Default ``"min"``.
+        nan_policy: what happens when the loss or the gradient norm of a step is NaN or
+            infinite on any rank (all ranks agree in the same step): ``"stop"`` ends the run
+            with :class:`dptrain.train.NonFiniteError` naming the step, the epoch and the
+            rank(s), before the optimizer step, so no checkpoint ever holds non-finite
+            weights; ``"skip"`` drops that step (as AMP's gradient scaler does) and stops
+            after ``max_consecutive_skips`` skipped steps in a row; ``"off"`` does not check
+            (one small all-reduce per step less). Default ``"stop"``.
+        max_consecutive_skips: with ``nan_policy="skip"``, stop after this many skipped steps
+            in a row. Default 20.
+        early_stopping_patience: stop when the dev metric ``early_stopping_metric`` has not
+            improved by more than ``early_stopping_min_delta`` for this many evaluations.
+            Default None (never stop early).
+        early_stopping_metric: the dev metric to watch. Default None: ``best_metric``.
+        early_stopping_min_delta: the smallest change that counts as an improvement. Default 0.
+        log_dir: TensorBoard directory (rank 0 writes). Default None.
+        log_every_steps: step-scalar interval for TensorBoard and the metrics file. Default 10.
+        metrics_path: also write every logged value to this file on rank 0, one record per
+            line (``step``, ``epoch``, ``split``, ``metric``, ``value``, ``wall_time``):
+            JSON lines, or CSV when the name ends in ``.csv``. Readable with
+            ``pandas.read_json(path, lines=True)`` / ``pandas.read_csv(path)``. Default None.
+        progress: progress on rank 0: True, False, or None (default): a live bar when a
+            terminal watches (directly, or through ``dptrain run``), else a progress line
+            every ``progress_interval_s`` seconds.
+        progress_interval_s: seconds between progress lines when no terminal watches. Default 30.
+        verbose: print one line per epoch on rank 0. Default True.
+        export_safetensors: after ``fit``, write the best (else final) weights here as safetensors.
+        ddp_kwargs: extra arguments for the DDP constructor (``bucket_cap_mb``, ...).
+        fsdp_kwargs: extra arguments for the FSDP constructor (``auto_wrap_policy``, ...).
+
+    Raises:
+        ValueError: a setting is out of range; the message shows the value and the fix.
+
+    Example:
+        >>> TrainerConfig(checkpoint_dir="ckpt", save_every_steps=100, best_metric="accuracy", best_mode="max",
+        ...               early_stopping_patience=3)
+    """
+
+    strategy: str | None = None
+    batch_size: int | None = None
+    eval_batch_size: int | None = None
+    num_workers: int = 0
+    seed: int = 0
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float | None = None
+    amp: bool = False
+    amp_dtype: str = "float16"
+    scheduler_interval: str = "epoch"
+    checkpoint_dir: str | None = None
+    save_every: int = 1
+    save_every_steps: int = 0
+    keep_last: int = 3
+    best_metric: str = "loss"
+    best_mode: str = "min"
+    nan_policy: str = "stop"
+    max_consecutive_skips: int = 20
+    early_stopping_patience: int | None = None
+    early_stopping_metric: str | None = None
+    early_stopping_min_delta: float = 0.0
+    log_dir: str | None = None
+    log_every_steps: int = 10
+    metrics_path: str | None = None
+    progress: bool | None = None
+    progress_interval_s: float = 30.0
+    verbose: bool = True
+    export_safetensors: str | None = None
+    ddp_kwargs: dict = dataclasses.field(default_factory=dict)
+    fsdp_kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise ValueError(f"TrainerConfig(strategy={self.strategy!r}) is not one of {list(STRATEGIES)} (or None for automatic)")
+        for name in ("batch_size", "eval_batch_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"TrainerConfig({name}={v!r}) must be a positive integer or None")
+        for name in ("num_workers", "save_every", "save_every_steps", "keep_last"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"TrainerConfig({name}={v!r}) must be an integer >= 0")
+        for name in ("gradient_accumulation_steps", "log_every_steps", "max_consecutive_skips"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                hint = " (1 = step after every batch)" if name == "gradient_accumulation_steps" else ""
+                raise ValueError(f"TrainerConfig({name}={v!r}) must be an integer >= 1{hint}")
+        if self.max_grad_norm is not None and not (self.max_grad_norm > 0):
+            raise ValueError(f"TrainerConfig(max_grad_norm={self.max_grad_norm!r}) must be > 0, or None for no clipping")
+        if self.amp_dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"TrainerConfig(amp_dtype={self.amp_dtype!r}) must be 'float16' or 'bfloat16'")
+        if self.scheduler_interval not in ("epoch", "step"):
+            raise ValueError(f"TrainerConfig(scheduler_interval={self.scheduler_interval!r}) must be 'epoch' or 'step'")
+        if self.best_mode not in ("min", "max"):
+            raise ValueError(f"TrainerConfig(best_mode={self.best_mode!r}) must be 'min' or 'max'")
+        if self.nan_policy not in NAN_POLICIES:
+            raise ValueError(f"TrainerConfig(nan_policy={self.nan_policy!r}) must be one of {list(NAN_POLICIES)}")
+        if self.early_stopping_patience is not None and (
+            not isinstance(self.early_stopping_patience, int) or self.early_stopping_patience < 1
+        ):
+            raise ValueError(
+                f"TrainerConfig(early_stopping_patience={self.early_stopping_patience!r}) must be an integer >= 1, "
+                f"or None to never stop early"
+            )
+        if not self.early_stopping_min_delta >= 0:
+            raise ValueError(f"TrainerConfig(early_stopping_min_delta={self.early_stopping_min_delta!r}) must be >= 0")
+        if not self.progress_interval_s > 0:
+            raise ValueError(f"TrainerConfig(progress_interval_s={self.progress_interval_s!r}) must be > 0 seconds")
+        if self.save_every_steps and self.checkpoint_dir is None:
+            raise ValueError(
+                f"TrainerConfig(save_every_steps={self.save_every_steps}) needs checkpoint_dir=... to know where to write"
+            )
+        if not isinstance(self.seed, int):
+            raise ValueError(f"TrainerConfig(seed={self.seed!r}) must be an integer")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as plain values (what checkpoints and TensorBoard's hparams store)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+        return out

@@ -1,0 +1,258 @@
+"""What the Trainer shows and records: progress, one line per epoch, TensorBoard, a metrics file.
+
+Everything here runs on rank 0 only; other ranks get a logger whose methods do nothing,
+so the training loop never branches on the rank to log.
+
+[Note: one x-axis]
+Every scalar -- per step or per epoch, in TensorBoard and in the metrics file -- is
+recorded against the optimizer step (``global_step``). Per-step values (``train/step_loss``,
+``train/lr``) and per-epoch values (``train/loss``, ``dev/*``, ``train/epoch``) live on tags
+of their own, so no tag mixes two x-axes. Epochs are counted from 1 wherever a user reads
+them (printed lines, ``train/epoch``, ``hparam/epoch``, the metrics file's ``epoch``).
+
+[Note: progress]
+With a terminal watching -- the process's own stderr, or ``dptrain run`` reporting one
+through ``DPTRAIN_PROGRESS=tty`` -- a live tqdm bar is drawn (the launcher renders its
+carriage returns under the rank prefix). Otherwise a line such as
+``epoch 2/8 | batch 120/420 (29%) | 1520 samples/s | loss 0.5312 | ETA 0:00:42`` is printed
+every ``progress_interval_s`` seconds, so a long epoch in a log file never looks like a hang.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Mapping
+
+__all__ = ["TrainerLog", "format_metrics", "progress_mode"]
+
+
+def format_metrics(metrics: Mapping[str, Any], prefix: str = "") -> str:
+    parts = []
+    for key, value in metrics.items():
+        if isinstance(value, float) and value.is_integer() and abs(value) < 1e12:
+            parts.append(f"{prefix}{key} {int(value)}")  # counts stay counts
+        elif isinstance(value, float):
+            parts.append(f"{prefix}{key} {value:.4f}")
+        else:
+            parts.append(f"{prefix}{key} {value}")
+    return " ".join(parts)
+
+
+def progress_mode(progress: bool | None) -> str:
+    """``"bar"``, ``"lines"`` or ``"off"`` for ``TrainerConfig(progress=...)``; see [Note: progress]."""
+    if progress is False:
+        return "off"
+    if progress is True:
+        return "bar"
+    watched = os.environ.get("DPTRAIN_PROGRESS", "")
+    if watched == "tty" or (not watched and sys.stderr.isatty()):
+        return "bar"
+    return "lines"
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class _MetricsFile:
+    """One record per line: JSON lines, or CSV for a ``.csv`` name. Appends, so a resumed run continues it."""
+
+    FIELDS = ("step", "epoch", "split", "metric", "value", "wall_time")
+
+    def __init__(self, path: str, resume_step: int | None) -> None:
+        self.path = path
+        self.csv = path.lower().endswith(".csv")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if resume_step is None or not os.path.exists(path):
+            self._fh = open(path, "w", newline="")
+        else:
+            self._drop_after(resume_step)  # what a crashed attempt logged after the checkpoint
+            self._fh = open(path, "a", newline="")
+        self._writer = csv.DictWriter(self._fh, fieldnames=self.FIELDS) if self.csv else None
+        if self._writer is not None and self._fh.tell() == 0:
+            self._writer.writeheader()
+
+    def _drop_after(self, step: int) -> None:
+        with open(self.path, newline="") as fh:
+            lines = fh.readlines()
+        kept = []
+        for i, line in enumerate(lines):
+            if self.csv and i == 0:
+                kept.append(line)
+                continue
+            try:
+                row_step = int(next(csv.reader([line]))[0]) if self.csv else int(json.loads(line)["step"])
+            except (ValueError, KeyError, IndexError, StopIteration):
+                continue
+            if row_step <= step:
+                kept.append(line)
+        with open(self.path, "w", newline="") as fh:
+            fh.writelines(kept)
+
+    def write(self, step: int, epoch: int, split: str, values: Mapping[str, Any]) -> None:
+        now = time.time()
+        for metric, value in values.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            row = {"step": step, "epoch": epoch, "split": split, "metric": metric, "value": float(value), "wall_time": now}
+            if self._writer is not None:
+                self._writer.writerow(row)
+            else:
+                # NaN/inf are written as JSON's NaN/Infinity, which pandas reads.
+                self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class TrainerLog:
+    """Rank 0's outputs. ``active=False`` (other ranks) turns every method into a no-op.
+
+    Args:
+        active: this is rank 0.
+        log_dir: TensorBoard directory or None; the writer is created at the first value,
+            so a run that fails before logging anything leaves no empty event file.
+        progress: ``TrainerConfig.progress``; see :func:`progress_mode`.
+        verbose: print one line per epoch.
+        resume_step: the step a resumed run continues from: TensorBoard events and metrics
+            rows a crashed attempt wrote after it are dropped.
+        metrics_path: the metrics file, or None.
+        progress_interval_s: seconds between progress lines.
+    """
+
+    def __init__(self, active: bool, log_dir: str | None, progress: bool | None, verbose: bool,
+                 resume_step: int | None = None, metrics_path: str | None = None, progress_interval_s: float = 30.0):
+        self.active = active
+        self.verbose = verbose and active
+        self.mode = progress_mode(progress) if active else "off"
+        self.interval = progress_interval_s
+        self.log_dir = log_dir if active else None
+        self.resume_step = resume_step
+        self._writer = None
+        if active and log_dir:
+            try:
+                import torch.utils.tensorboard  # noqa: F401 - fail at start, not at the first scalar
+            except ImportError as exc:  # pragma: no cover - tensorboard is in the examples extra
+                raise ImportError("TrainerConfig(log_dir=...) needs the tensorboard package: pip install tensorboard") from exc
+        self.metrics = _MetricsFile(metrics_path, resume_step) if active and metrics_path else None
+        self._bar = None
+        self._epoch_text = ""
+        self._total = self._done = self._start = 0
+        self._t0 = self._last_line = 0.0
+
+    @property
+    def progress(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def writer(self):
+        if self._writer is None and self.log_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events a crashed attempt wrote after the checkpoint we resume from.
+            self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=self.resume_step)
+        return self._writer
+
+    # -- progress -----------------------------------------------------------------------
+    def start_epoch(self, epoch: int, num_epochs: int, total: int, initial: int) -> None:
+        self._epoch_text = f"epoch {epoch + 1}/{num_epochs}"
+        self._total, self._done, self._start = total, initial, initial
+        self._t0 = self._last_line = time.monotonic()
+        if self.mode != "bar":
+            return
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(
+            total=total, initial=initial, desc=self._epoch_text, unit="batch",
+            dynamic_ncols=True, leave=False, file=sys.stderr, mininterval=0.5,
+        )
+
+    def update(self, n: int, loss: float | None, samples_per_s: float | None) -> None:
+        if self.mode == "off":
+            return
+        self._done += n
+        if self._bar is not None:
+            self._bar.update(n)
+            post = {}
+            if loss is not None:
+                post["loss"] = f"{loss:.4f}"
+            if samples_per_s is not None:
+                post["samples/s"] = f"{samples_per_s:.0f}"
+            if post:
+                self._bar.set_postfix(post, refresh=False)
+            return
+        now = time.monotonic()
+        if self.mode == "lines" and now - self._last_line >= self.interval and self._done < self._total:
+            self._last_line = now
+            self._print_progress_line(now, loss, samples_per_s)
+
+    def _print_progress_line(self, now: float, loss: float | None, samples_per_s: float | None) -> None:
+        done, total = self._done, max(self._total, 1)
+        rate = (done - self._start) / max(now - self._t0, 1e-9)  # batches per second
+        eta = (total - done) / rate if rate > 0 else float("nan")
+        text = f"{self._epoch_text} | batch {done}/{total} ({100 * done / total:.0f}%)"
+        if samples_per_s is not None:
+            text += f" | {samples_per_s:.0f} samples/s"
+        if loss is not None:
+            text += f" | loss {loss:.4f}"
+        if math.isfinite(eta):
+            text += f" | ETA {datetime.timedelta(seconds=round(eta))}"
+        print(text, file=sys.stderr, flush=True)
+
+    def end_epoch(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    # -- values and lines ----------------------------------------------------------------
+    def scalars(self, values: Mapping[str, Any], step: int, epoch: int) -> None:
+        """Record ``values`` (tags like ``"dev/accuracy"``) at ``step``; ``epoch`` counts from 1."""
+        if not self.active:
+            return
+        if self.log_dir:
+            for key, value in values.items():
+                if _finite_number(value):
+                    self.writer.add_scalar(key, value, step)
+        if self.metrics is not None:
+            by_split: dict[str, dict[str, Any]] = {}
+            for key, value in values.items():
+                split, _, name = key.partition("/")
+                by_split.setdefault(split, {})[name] = value
+            for split, vals in by_split.items():
+                self.metrics.write(step, epoch, split, vals)
+
+    def line(self, text: str) -> None:
+        if self.verbose:
+            print(text, flush=True)
+
+    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
+        if not (self.active and self.log_dir):
+            return
+        clean = {}
+        for key, value in hparams.items():
+            if isinstance(value, (bool, int, float, str)):
+                clean[key] = value
+            elif value is None:
+                clean[key] = "None"
+            else:
+                clean[key] = str(value)
+        scal = {f"hparam/{k}": float(v) for k, v in metrics.items() if _finite_number(v)}
+        # run_name="." keeps the hparams next to the scalars instead of in a timestamped subfolder.
+        self.writer.add_hparams(clean, scal, run_name=".")
+
+    def close(self) -> None:
+        self.end_epoch()
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None

@@ -1,0 +1,196 @@
+"""How the Trainer replicates a model: one object per strategy, asked instead of the model.
+
+Every question whose answer depends on "is this DDP, FSDP, PyTorch's DDP or a plain
+model?" is a method here -- wrapping, building the optimizer, gradient accumulation without
+communication, the global gradient norm, the model's and the optimizer's state for a
+checkpoint, the module to evaluate with and whether evaluation must run in lock-step -- so
+the training loop never tests the model's type.
+
+[Note: what each strategy checkpoints]
+The model's weights are always stored full, with plain keys (they load into the bare model
+on any number of ranks). The optimizer's state is stored whole by the replicated strategies
+(every rank holds the same state; rank 0's copy is written) and per rank by the sharded
+ones (FSDP: each rank's optimizer only knows its shard of each flat parameter): each rank
+writes its own part, nobody ever holds another rank's shard, and resuming such a state
+needs the same world size (the weights still load anywhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptrain import checkpoint as ckpt
+from dptrain import comm
+from dptrain.env import _warn_once_main
+
+__all__ = ["Strategy", "make_strategy"]
+
+
+class Strategy:
+    """The plain strategy (``"none"``): one model, no communication. Base of the others.
+
+    A strategy compares equal to its name, so ``trainer.strategy == "ddp"`` reads naturally.
+    """
+
+    name = "none"
+    #: The optimizer state differs between ranks and is checkpointed per rank.
+    shards_optimizer = False
+    #: Evaluation forwards communicate, so every rank must run the same number of them.
+    lockstep_eval = False
+
+    def __init__(self, device: torch.device, config_kwargs: dict | None = None) -> None:
+        self.device = device
+        self.kwargs = dict(config_kwargs or {})
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return other == self.name
+        return isinstance(other, Strategy) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<dptrain strategy {self.name!r}>"
+
+    # -- building ---------------------------------------------------------------------
+    def wrap(self, model: nn.Module, world_size: int) -> nn.Module:
+        if world_size > 1:
+            _warn_once_main(
+                f"TrainerConfig(strategy='none') on {world_size} ranks: gradients are not averaged and "
+                f"the replicas drift apart; use strategy='ddp'"
+            )
+        return model
+
+    def build_optimizer(self, optimizer: Any, wrapped: nn.Module) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if callable(optimizer):
+            return optimizer(wrapped.parameters())
+        raise ValueError(
+            f"optimizer must be a torch.optim.Optimizer or a callable params -> optimizer, got {type(optimizer).__name__}"
+        )
+
+    # -- training ---------------------------------------------------------------------
+    def no_sync(self, model: nn.Module):
+        """Context for micro-batches whose gradients are only accumulated locally."""
+        no_sync = getattr(model, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip to ``max_norm`` and return the global norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The global gradient norm (the same value on every rank), without changing anything."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+
+    # -- evaluation -------------------------------------------------------------------
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        """What evaluation runs: the bare model (no per-forward buffer broadcast, no hooks)."""
+        return ckpt.unwrap_model(model)
+
+    # -- state ------------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The full weights with plain keys (collective for sharded models)."""
+        return ckpt.strip_prefix(ckpt.unwrap_model(model).state_dict())
+
+    def load_model_state_dict(self, model: nn.Module, state: dict, source: str = "state dict") -> None:
+        ckpt.load_model_state(model, state, source=source)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+
+
+class _DDPStrategy(Strategy):
+    name = "ddp"
+
+    def wrap(self, model: nn.Module, world_size: int) -> nn.Module:
+        from dptrain.parallel.ddp import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=self._device_ids(), **self.kwargs)
+
+    def _device_ids(self) -> list[int] | None:
+        return [self.device.index] if self.device.type == "cuda" and self.device.index is not None else None
+
+
+class _TorchDDPStrategy(_DDPStrategy):
+    name = "torch-ddp"
+
+    def wrap(self, model: nn.Module, world_size: int) -> nn.Module:
+        if not comm.is_distributed():
+            raise ValueError(
+                f"TrainerConfig(strategy={self.name!r}) needs a process group, but this is a single process "
+                f"(world size {world_size}); launch with `dptrain run --nproc-per-node N` or use strategy='none'"
+            )
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=self._device_ids(), **self.kwargs)
+
+
+class _FSDPStrategy(Strategy):
+    name = "fsdp"
+    shards_optimizer = True
+    lockstep_eval = True  # every forward all-gathers the shards
+
+    def wrap(self, model: nn.Module, world_size: int) -> nn.Module:
+        from dptrain.parallel.fsdp import FullyShardedDataParallel
+
+        kwargs = dict(self.kwargs)
+        if self.device.type == "cuda":
+            kwargs.setdefault("device_id", self.device)
+        return FullyShardedDataParallel(model, **kwargs)
+
+    def build_optimizer(self, optimizer: Any, wrapped: nn.Module) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                "strategy='fsdp' needs the optimizer built on the sharded parameters; pass a function instead of an "
+                "optimizer, e.g. Trainer(model, lambda params: torch.optim.AdamW(params, lr=1e-3), ...)"
+            )
+        return super().build_optimizer(optimizer, wrapped)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return model.clip_grad_norm_(max_norm)  # the norm spans every rank's shard
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        return model.clip_grad_norm_(math.inf)  # a coefficient of at most 1: nothing changes
+
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        return model  # the shards must be gathered for every forward
+
+    def model_state_dict(self, model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        return dict(model.full_state_dict(rank0_only=rank0_only))
+
+
+_STRATEGY_TYPES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Strategy, _DDPStrategy, _TorchDDPStrategy, _FSDPStrategy)
+}
+
+
+def make_strategy(name: str | None, world_size: int, device: torch.device, config) -> Strategy:
+    """The strategy for ``TrainerConfig(strategy=name)``; None picks DDP on several ranks."""
+    name = name or ("ddp" if world_size > 1 else "none")
+    kwargs = config.fsdp_kwargs if name == "fsdp" else config.ddp_kwargs if name in ("ddp", "torch-ddp") else {}
+    return _STRATEGY_TYPES[name](device, kwargs)
+
+
+def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """A scheduler object, or a factory ``optimizer -> scheduler`` called on the built optimizer."""
+    if scheduler is None or hasattr(scheduler, "step"):
+        return scheduler
+    if callable(scheduler):
+        return scheduler(optimizer)
+    raise ValueError(f"scheduler must be an LR scheduler or a callable optimizer -> scheduler, got {type(scheduler).__name__}")
+

@@ -1,0 +1,617 @@
+"""The Trainer: the training loop, composed of a strategy, a train state and a checkpointer.
+
+``Trainer`` owns the loop only -- batches, forward, backward, the optimizer step, evaluation
+at the end of each epoch, logging -- and asks its parts for everything else:
+
+* a :class:`~dptrain.train.strategy.Strategy` (``none``, ``ddp``, ``torch-ddp``, ``fsdp``)
+  wraps the model and answers every question that depends on how it is replicated;
+* a :class:`~dptrain.train.state.TrainState` holds where the run is and replays a resumed
+  epoch exactly (its module explains what makes a resume bitwise);
+* a :class:`~dptrain.train.checkpointer.Checkpointer` owns the checkpoint directory: it saves
+  the dict of stateful parts the Trainer hands it, prunes, keeps ``best.pt`` and chooses what
+  to resume from;
+* callbacks (:mod:`dptrain.train.callbacks`) add behaviour at fixed points; the NaN policy and
+  early stopping are two of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from dptrain import _diagnostics, comm
+from dptrain._tensors import move_to_device
+from dptrain.data import gather_results, prepare_dataloader
+from dptrain.env import _warn_once_main, device as _default_device, get_world
+from dptrain.train import _parts
+from dptrain.train.callbacks import Callback, EarlyStopping, NonFiniteError, NonFiniteGuard, StepInfo, gather_step_values
+from dptrain.train.checkpointer import Checkpointer
+from dptrain.train.config import TrainerConfig
+from dptrain.train.log import TrainerLog, format_metrics
+from dptrain.train.state import TrainState
+from dptrain.train.strategy import build_scheduler, make_strategy
+
+__all__ = ["Trainer"]
+
+
+def _split_batch(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, Mapping) and "target" in batch:
+        inputs = {k: v for k, v in batch.items() if k != "target"}
+        return inputs, batch["target"]
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(
+        f"the Trainer expects batches of (inputs, targets) or dicts with a 'target' key, got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else "")
+    )
+
+
+def _forward(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (list, tuple)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _num_samples(targets: Any) -> int:
+    t = targets
+    while isinstance(t, (list, tuple)):
+        t = t[0]
+    return int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() > 0 else 1
+
+
+class Trainer:
+    """Train a model on every rank of the job: wrap it, feed it, evaluate it, checkpoint it.
+
+    Args:
+        model: the plain model; the Trainer moves it to this rank's device and wraps it with
+            ``config.strategy``.
+        optimizer: an optimizer built on ``model.parameters()``, or a callable
+            ``params -> optimizer`` (required for ``"fsdp"``, whose parameters only exist
+            after wrapping).
+        train_data: a DataLoader (ideally from :func:`dptrain.prepare_dataloader`, whose
+            position can be checkpointed) or a Dataset (then ``config.batch_size`` is used).
+        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor`` (mean over the batch).
+        config: a :class:`TrainerConfig`. Default ``TrainerConfig()``.
+        dev_data: optional loader/dataset evaluated after every epoch, gathered exactly
+            (every sample once, also when some ranks have no sample); selects the best model.
+        test_data: optional loader/dataset evaluated once at the end of ``fit`` with the
+            best model.
+        scheduler: an LR scheduler on ``optimizer``, or a callable ``optimizer -> scheduler``.
+            Resuming into a run of another length re-plans length-dependent schedules
+            (OneCycleLR, CosineAnnealingLR, ...): see :mod:`dptrain.train.schedule`.
+        metric_fn: ``metric_fn(outputs, targets) -> float | dict[str, float]``, called on the
+            whole dev (or test) set in dataset order, identically on every rank.
+        resume: None (default): resume from the newest checkpoint in
+            ``config.checkpoint_dir`` when the launcher restarted the job
+            (``TORCHELASTIC_RESTART_COUNT > 0``), else start fresh. ``"auto"``/True: resume
+            from the newest checkpoint that can be read (an unreadable one is skipped with a
+            notice and left in place; none at all: a notice, and training starts fresh).
+            False: never. A path: that file.
+        device: where to train. Default :func:`dptrain.device` (``cuda:<local_rank>`` or CPU).
+        hparams: extra hyper-parameters recorded in TensorBoard's hparams table.
+        callbacks: :class:`dptrain.train.Callback` objects, called in order after the
+            built-in ones (the NaN guard and early stopping the config asks for).
+
+    Raises:
+        ValueError: inconsistent arguments (e.g. a Dataset without ``config.batch_size``,
+            ``"torch-ddp"`` without a process group), with the fix.
+        FileNotFoundError: ``resume`` names a missing file.
+        dptrain.checkpoint.CheckpointError: the checkpoint directory cannot be written
+            (found before any training), or ``resume`` names an unreadable file or one
+            that does not fit the model (the message names the first differing keys).
+
+    Example:
+        >>> dptrain.init(); dptrain.seed_everything(0)
+        >>> loader = dptrain.prepare_dataloader(train_set, batch_size=64)
+        >>> trainer = dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+        ...                           nn.CrossEntropyLoss(), TrainerConfig(checkpoint_dir="ckpt"))
+        >>> summary = trainer.fit(max_epochs=10)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        train_data: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        config: TrainerConfig | None = None,
+        dev_data: Any = None,
+        test_data: Any = None,
+        scheduler: Any = None,
+        metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        resume: str | bool | None = None,
+        device: torch.device | str | None = None,
+        hparams: Mapping[str, Any] | None = None,
+        callbacks: Iterable[Callback] | None = None,
+    ) -> None:
+        self.config = config if config is not None else TrainerConfig()
+        if not isinstance(self.config, TrainerConfig):
+            raise ValueError(f"config must be a dptrain.TrainerConfig, got {type(self.config).__name__}")
+        cfg = self.config
+        self.world = get_world()
+        self.rank = self.world.rank
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.loss_fn = loss_fn
+        self.metric_fn = metric_fn
+        self.hparams = dict(hparams or {})
+        self.strategy = make_strategy(cfg.strategy, self.world.world_size, self.device, cfg)
+
+        self.train_loader = self._loader(train_data, "train")
+        self.dev_loader = self._loader(dev_data, "eval") if dev_data is not None else None
+        self.test_loader = self._loader(test_data, "eval") if test_data is not None else None
+
+        self.model = self.strategy.wrap(model.to(self.device), self.world.world_size)
+        self.optimizer = self.strategy.build_optimizer(optimizer, self.model)
+        self.scheduler = build_scheduler(scheduler, self.optimizer)
+        self._setup_amp()
+
+        self.state = TrainState(self.device)
+        self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.keep_last, self.rank, self.world.world_size)
+        self.callbacks: list[Callback] = []
+        if cfg.nan_policy != "off":
+            self.callbacks.append(NonFiniteGuard(cfg.nan_policy, cfg.max_consecutive_skips))
+        if cfg.early_stopping_patience is not None:
+            self.callbacks.append(EarlyStopping(
+                cfg.early_stopping_metric or cfg.best_metric, cfg.early_stopping_patience,
+                cfg.early_stopping_min_delta, cfg.best_mode,
+            ))  # fmt: skip
+        self.callbacks.extend(callbacks or ())
+        self.best_state: dict[str, torch.Tensor] | None = None  # plain-key CPU copy of the best weights
+        self.resumed_from: str | None = None
+        self.stop_reason: str | None = None
+        self.log = TrainerLog(False, None, False, False)  # the real one is made by fit()
+        self._parts = _parts.StatefulParts(self)
+
+        self.checkpointer.prepare()
+        candidates = self.checkpointer.resume_candidates(resume, self.world.restart_count)
+        if candidates:
+            path, content = self.checkpointer.read_first_readable(candidates, map_location=self.device)
+            self._parts.restore(path, content)
+
+    # -- progress, as attributes of the Trainer (kept in self.state) ---------------------
+    epoch = _parts.delegate("epoch")
+    batch_in_epoch = _parts.delegate("batch_in_epoch")
+    global_step = _parts.delegate("global_step")
+    history = _parts.delegate("history")
+    best_metric = _parts.delegate("best_metric")
+    best_epoch = _parts.delegate("best_epoch")
+
+    # ------------------------------------------------------------------ construction ----
+    def _loader(self, data: Any, mode: str):
+        if isinstance(data, torch.utils.data.DataLoader):
+            return data
+        if isinstance(data, torch.utils.data.Dataset):
+            bs = self.config.batch_size if mode == "train" else (self.config.eval_batch_size or self.config.batch_size)
+            if bs is None:
+                raise ValueError(
+                    f"a {type(data).__name__} was given as {mode} data but TrainerConfig(batch_size=None); set "
+                    f"TrainerConfig(batch_size=...) or pass a loader from dptrain.prepare_dataloader(...)"
+                )
+            return prepare_dataloader(
+                data, batch_size=bs, shuffle=(mode == "train"), num_workers=self.config.num_workers,
+                drop_last=False, mode=mode, seed=self.config.seed,
+            )
+        if isinstance(data, Iterable):
+            return data
+        raise ValueError(f"{mode} data must be a DataLoader or a Dataset, got {type(data).__name__}")
+
+    def _setup_amp(self) -> None:
+        cfg = self.config
+        self.amp_dtype = torch.float16 if cfg.amp_dtype == "float16" else torch.bfloat16
+        self.amp = bool(cfg.amp)
+        if self.amp and self.device.type != "cuda" and self.amp_dtype == torch.float16:
+            _warn_once_main(
+                f"TrainerConfig(amp=True) is ignored on device {self.device}: float16 autocast is only used on CUDA; "
+                f"pass amp_dtype='bfloat16' for CPU mixed precision"
+            )
+            self.amp = False
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp and self.amp_dtype == torch.float16 else None
+
+    def _autocast(self):
+        if not self.amp:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    # -------------------------------------------------------------------- state ---------
+    def model_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The model's weights with plain keys (no ``module.``), whatever the strategy.
+
+        For FSDP the full weights are gathered (collective: call it on every rank); with
+        ``rank0_only`` the other ranks get ``{}``.
+        """
+        return self.strategy.model_state_dict(self.model, rank0_only=rank0_only)
+
+    def save_checkpoint(self, path: str | None = None) -> str:
+        """Write a checkpoint (collective: call on every rank); return its path.
+
+        Default path: ``<checkpoint_dir>/ckpt-e<epoch>-s<step>.pt``; older ones beyond
+        ``keep_last`` are deleted. Never writes non-finite weights (raises
+        :class:`~dptrain.train.NonFiniteError` instead, keeping the older checkpoints).
+
+        Raises:
+            CheckpointError: writing failed (e.g. a full disk), on every rank alike.
+        """
+        self._check_finite_weights()
+        path = self.checkpointer.save(self._parts.to_save(), path, epoch=self.epoch, step=self.global_step)
+        self._call("on_checkpoint", path)
+        return path
+
+    def _check_finite_weights(self) -> None:
+        if self.config.nan_policy == "off":
+            return
+        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+        everyone = comm.all_gather_object(bad[:3])
+        ranks = [r for r, b in enumerate(everyone) if b]
+        if ranks:
+            newest = self.checkpointer.newest()
+            raise NonFiniteError(
+                f"rank {self.rank}: the weights became non-finite after step {self.global_step} (rank(s) {ranks}, "
+                f"e.g. {everyone[ranks[0]]}); not writing a checkpoint"
+                + (f", the newest one {newest!r} is kept" if newest else "")
+                + ". Lower the learning rate or clip gradients (TrainerConfig(max_grad_norm=...))"
+            )
+
+    def request_stop(self, reason: str) -> None:
+        """Ask ``fit`` to stop after the current step (from a callback; every rank must ask alike)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            method = getattr(cb, hook, None)
+            if method is not None:
+                method(self, *args)
+
+    # ------------------------------------------------------------------------- fit ------
+    def fit(self, max_epochs: int) -> dict[str, Any]:
+        """Train until ``max_epochs`` epochs are done (counting epochs before a resume).
+
+        Every epoch: ``set_epoch``, train (with accumulation, AMP, clipping, the NaN check
+        and step checkpoints), evaluate on the dev data, keep the best model, step an epoch
+        scheduler, log, checkpoint every ``save_every`` epochs. At the end: evaluate the
+        test data with the best model, export safetensors if asked, and return a summary.
+        A resumed run with a larger ``max_epochs`` continues to it (see
+        :mod:`dptrain.train.schedule` for what happens to the LR schedule).
+
+        Args:
+            max_epochs: total number of epochs, >= 1.
+
+        Returns:
+            ``{"history": [per-epoch dicts], "best": {"epoch", "metric", "value"} or None,
+            "test": {metrics} or None, "global_step": int, "stopped": reason or None}``; the
+            same on every rank.
+
+        Raises:
+            ValueError: ``max_epochs < 1``.
+            NonFiniteError: with ``nan_policy="stop"``, a loss or gradient norm was not finite.
+        """
+        if not isinstance(max_epochs, int) or isinstance(max_epochs, bool) or max_epochs < 1:
+            raise ValueError(f"fit(max_epochs={max_epochs!r}) needs an integer >= 1")
+        cfg = self.config
+        self.log = TrainerLog(
+            self.rank == 0, cfg.log_dir, cfg.progress, cfg.verbose,
+            resume_step=self.global_step if self.resumed_from else None,
+            metrics_path=cfg.metrics_path, progress_interval_s=cfg.progress_interval_s,
+        )  # fmt: skip
+        self.stop_reason = None
+        try:
+            if self.resumed_from:
+                self.log.line(
+                    f"resumed from {self.resumed_from} (epoch {self.epoch + 1}, batch {self.batch_in_epoch}, "
+                    f"step {self.global_step})"
+                )
+            self._call("on_fit_start")
+            while self.epoch < max_epochs and self.stop_reason is None:
+                self._run_epoch(max_epochs)
+            if self.stop_reason is not None:
+                self.log.line(self.stop_reason)
+            summary = self._finish()
+            self._call("on_fit_end", summary)
+            return summary
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # a callback's failure must not hide the real one
+                self._call("on_exception", exc)
+            raise
+        finally:
+            self.log.close()
+
+    def _finish(self) -> dict[str, Any]:
+        cfg = self.config
+        test = self.test() if self.test_loader is not None else None
+        if cfg.export_safetensors:
+            self.export_safetensors(cfg.export_safetensors)
+        final = dict(self.history[-1]) if self.history else {}
+        if "epoch" in final:
+            final["epoch"] = final["epoch"] + 1  # epochs are counted from 1 where users read them
+        if test:
+            final.update({f"test/{k}": v for k, v in test.items()})
+        self.log.hparams({**cfg.to_dict(), **self.hparams, "world_size": self.world.world_size}, final)
+        best = None
+        if self.best_epoch is not None:
+            best = {"epoch": self.best_epoch, "metric": cfg.best_metric, "value": self.best_metric}
+        return {"history": list(self.history), "best": best, "test": test, "global_step": self.global_step,
+                "stopped": self.stop_reason}
+
+    def _run_epoch(self, max_epochs: int) -> None:
+        epoch, start = self.epoch, self.batch_in_epoch
+        it, num_batches = self.state.begin_epoch(self.train_loader)
+        self.model.train()
+        self.log.start_epoch(epoch, max_epochs, num_batches, start)
+        t0 = time.perf_counter()
+        b = self._train_batches(it, start, num_batches)
+        self.log.end_epoch()
+        if b != num_batches and self.stop_reason is None:
+            raise RuntimeError(
+                f"rank {self.rank}: the train loader yielded {b} batches in epoch {epoch}, but len(loader) is "
+                f"{num_batches}; every rank must see the same number of batches (use dptrain.prepare_dataloader)"
+            )
+        if b != num_batches:  # stopped mid-epoch: the checkpoint continues from this batch
+            self.batch_in_epoch = b
+            if self.config.checkpoint_dir:
+                self.save_checkpoint()
+            return
+        self._end_epoch(epoch, start, time.perf_counter() - t0, max_epochs)
+
+    def _train_batches(self, it: Iterable[Any], b: int, num_batches: int) -> int:
+        """Train on the epoch's remaining batches; return how many batches of the epoch are done."""
+        cfg = self.config
+        accum = cfg.gradient_accumulation_steps
+        window_t, window_samples = time.perf_counter(), 0
+        step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        step_samples, step_sums = 0, []
+        for batch in it:
+            inputs, targets = _split_batch(move_to_device(batch, self.device))
+            n = _num_samples(targets)
+            sync = (b + 1) % accum == 0 or b + 1 == num_batches
+            with contextlib.nullcontext() if sync else self.strategy.no_sync(self.model):
+                with self._autocast():
+                    loss = self.loss_fn(_forward(self.model, inputs), targets)
+                scaled = loss / accum if accum > 1 else loss
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                scaled.backward()
+            step_loss += loss.detach().to(torch.float64)
+            step_sums.append((loss.detach(), n))
+            window_samples += n
+            b += 1
+            if sync:
+                took = self._optimizer_step(b, num_batches, step_loss)
+                if took:  # a skipped step's losses stay out of the epoch's average
+                    for value, count in step_sums:
+                        self.state.record_batch(value, count)
+                step_loss.zero_()
+                step_sums = []
+                if took and cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and b < num_batches:
+                    # A step checkpoint on the epoch's last batch is left to the end-of-epoch one,
+                    # which is taken after the dev evaluation (see [Note: bitwise resume]).
+                    self.batch_in_epoch = b
+                    self.save_checkpoint()
+                if took and self.global_step % cfg.log_every_steps == 0:
+                    self.log.scalars({"train/step_loss": float(loss.detach()), "train/lr": self._lr()},
+                                     self.global_step, self.epoch + 1)
+            if self.log.progress:
+                self.log.update(1, None, None)
+                if b % cfg.log_every_steps == 0 or b == num_batches:
+                    now = time.perf_counter()
+                    rate = window_samples * self.world.world_size / max(now - window_t, 1e-9)
+                    self.log.update(0, float(loss.detach()), rate)
+                    window_t, window_samples = now, 0
+            if sync and self.stop_reason is not None:
+                break
+        return b
+
+    def _optimizer_step(self, batch: int, num_batches: int, step_loss: torch.Tensor) -> bool:
+        """Clip, check, step; returns False when the step was skipped."""
+        cfg = self.config
+        norm = None
+        if self.scaler is not None and (cfg.max_grad_norm is not None or cfg.nan_policy != "off"):
+            self.scaler.unscale_(self.optimizer)
+        if cfg.max_grad_norm is not None:
+            norm = self.strategy.clip_grad_norm_(self.model, cfg.max_grad_norm)
+        elif cfg.nan_policy != "off" and self.scaler is None:
+            # With a gradient scaler, infinite gradients are its business (it skips the step).
+            norm = self.strategy.grad_norm(self.model)
+        info = None
+        if cfg.nan_policy != "off" or self.callbacks:
+            losses, norms = gather_step_values(step_loss, norm if self.scaler is None else None, self.device)
+            info = StepInfo(self.global_step + 1, self.epoch, batch, num_batches, losses, norms)
+            self._call("on_before_optimizer_step", info)
+        skip = info is not None and info.skip
+        if skip:
+            self.state.skipped_steps += 1
+        elif self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not skip:
+            self.global_step += 1
+            _diagnostics.tick()  # the launcher's stall report counts these steps
+            if self.scheduler is not None and cfg.scheduler_interval == "step":
+                self.scheduler.step()
+        if info is not None:
+            self._call("on_step_end", info)
+        return not skip
+
+    def _end_epoch(self, epoch: int, start: int, elapsed: float, max_epochs: int) -> None:
+        cfg = self.config
+        # Loss averaged over every sample of every rank this epoch.
+        totals = torch.stack([self.state.loss_sum,
+                              torch.tensor(float(self.state.sample_count), dtype=torch.float64, device=self.device)])
+        comm.all_reduce(totals, op="sum")
+        record: dict[str, Any] = {
+            "epoch": epoch,
+            "train_loss": float(totals[0] / max(float(totals[1]), 1.0)),
+            "time_s": elapsed,
+            "samples_per_s": float(totals[1]) / elapsed if start == 0 and elapsed > 0 else float("nan"),
+            "lr": self._lr(),
+        }
+        if self.dev_loader is not None:
+            dev = self.evaluate(self.dev_loader)
+            record.update({f"dev_{k}": v for k, v in dev.items()})
+            self._update_best(dev, epoch)
+            self._call("on_evaluate", "dev", dev)
+        if self.scheduler is not None and cfg.scheduler_interval == "epoch":
+            self.scheduler.step()
+        self.state.finish_epoch(record)
+        self._log_epoch(record, max_epochs)
+        self._call("on_epoch_end", record)
+        stopping = self.stop_reason is not None
+        if cfg.checkpoint_dir and (
+            (cfg.save_every and (self.epoch % cfg.save_every == 0 or self.epoch == max_epochs)) or stopping
+        ):
+            self.save_checkpoint()
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _log_epoch(self, record: dict[str, Any], max_epochs: int) -> None:
+        dev = {k[4:]: v for k, v in record.items() if k.startswith("dev_")}
+        text = f"epoch {record['epoch'] + 1}/{max_epochs} | train loss {record['train_loss']:.4f}"
+        if dev:
+            text += " | dev " + format_metrics(dev)
+        rate = record["samples_per_s"]
+        text += f" | {record['time_s']:.2f} s" + (f" ({rate:.0f} samples/s)" if math.isfinite(rate) else " (resumed)")
+        if self.state.skipped_steps:
+            text += f" | {self.state.skipped_steps} non-finite step(s) skipped so far"
+        self.log.line(text)
+        scal = {"train/loss": record["train_loss"], "train/epoch_time_s": record["time_s"], "train/epoch": record["epoch"] + 1}
+        if math.isfinite(rate):
+            scal["train/samples_per_s"] = rate
+        scal.update({f"dev/{k}": v for k, v in dev.items()})
+        self.log.scalars(scal, self.global_step, record["epoch"] + 1)
+
+    # -------------------------------------------------------------------- evaluation ----
+    def evaluate(self, data: Any = None) -> dict[str, float]:
+        """Evaluate on ``data`` (default: the dev data) with every sample counted exactly once.
+
+        Each rank runs its shard (the eval loader partitions without padding; a rank may
+        have no sample at all), then the outputs and targets are gathered in dataset order
+        with :func:`dptrain.gather_results`; the loss and ``metric_fn`` are computed on the
+        whole set, identically on every rank. Collective: call it on every rank.
+
+        Returns:
+            ``{"loss": float, **metrics}``.
+        """
+        loader = self.dev_loader if data is None else (data if isinstance(data, torch.utils.data.DataLoader) else self._loader(data, "eval"))
+        if loader is None:
+            raise ValueError("evaluate() needs data: pass it, or give the Trainer dev_data=...")
+        indices = self._eval_indices(loader)
+        net = self.strategy.eval_module(self.model)
+        was_training = net.training
+        net.eval()
+        try:
+            outs, tgts = self._eval_outputs(net, loader)
+        finally:
+            net.train(was_training)
+        count = sum(o.shape[0] for o in outs)
+        if count != len(indices):
+            raise RuntimeError(f"rank {self.rank}: the eval loader yielded {count} samples but its sampler lists {len(indices)}")
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        all_out = gather_results(outs, idx)
+        all_tgt = gather_results(tgts, idx)
+        metrics: dict[str, float] = {"loss": float(self.loss_fn(all_out, all_tgt.to(all_out.device)))}
+        if self.metric_fn is not None:
+            extra = self.metric_fn(all_out, all_tgt)
+            if isinstance(extra, Mapping):
+                metrics.update({str(k): float(v) for k, v in extra.items()})
+            else:
+                metrics["metric"] = float(extra)
+        return metrics
+
+    def _eval_outputs(self, net: nn.Module, loader: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        num_batches = steps = len(loader)
+        if self.strategy.lockstep_eval:
+            # Every rank must run the same number of forwards (each one gathers the shards);
+            # a rank with fewer batches repeats one (a stand-in when it has none) and drops the result.
+            count = torch.tensor([num_batches], device=self.device)
+            comm.all_reduce(count, op="max")
+            steps = int(count.item())
+        outs, tgts = [], []
+        with torch.no_grad():
+            batches, batch = iter(loader), None
+            for i in range(steps):
+                if i < num_batches:
+                    batch = next(batches)
+                elif batch is None:
+                    batch = _stand_in_batch(loader)
+                inputs, targets = _split_batch(move_to_device(batch, self.device))
+                with self._autocast():
+                    out = _forward(net, inputs)
+                if i < num_batches:
+                    outs.append(out.float())
+                    tgts.append(targets)
+        return outs, tgts
+
+    @staticmethod
+    def _eval_indices(loader) -> list[int]:
+        sampler = getattr(loader, "sampler", None)
+        if sampler is None:
+            raise ValueError("evaluation needs a DataLoader whose sampler lists the dataset indices (dptrain.prepare_dataloader(mode='eval'))")
+        # sampler.indices() lists the shard without starting an iteration (which would
+        # discard a restored position); any other sampler is simply iterated.
+        listed = sampler.indices() if hasattr(sampler, "indices") else iter(sampler)
+        return [int(i) for i in listed]
+
+    def _update_best(self, metrics: Mapping[str, float], epoch: int) -> None:
+        key = self.config.best_metric
+        if key not in metrics:
+            raise ValueError(
+                f"TrainerConfig(best_metric={key!r}) is not among the dev metrics {sorted(metrics)}; return it from metric_fn "
+                f"or choose one of those"
+            )
+        value = float(metrics[key])
+        if not math.isfinite(value):
+            return  # a NaN or infinite metric is never the best
+        better = self.best_metric is None or (value > self.best_metric if self.config.best_mode == "max" else value < self.best_metric)
+        if not better:
+            return
+        self.best_metric, self.best_epoch = value, epoch
+        self.best_state = {k: v.detach().to("cpu").clone() for k, v in self.model_state_dict(rank0_only=False).items()}
+        self.checkpointer.save_best(
+            {"model": self.best_state, "epoch": epoch, "metric": key, "value": value, "global_step": self.global_step}
+        )
+
+    def test(self, data: Any = None, use_best: bool = True) -> dict[str, float]:
+        """Evaluate the test data (default: the Trainer's ``test_data``) with the best model.
+
+        With ``use_best`` (default) and a best model recorded, its weights are loaded into
+        the model first (so training should be over). Collective: call it on every rank.
+        """
+        loader = self.test_loader if data is None else data
+        if loader is None:
+            raise ValueError("test() needs data: pass it, or give the Trainer test_data=...")
+        if use_best and self.best_state is not None:
+            self.strategy.load_model_state_dict(self.model, self.best_state, source="the best model")
+        metrics = self.evaluate(loader)
+        self.log.line("test " + format_metrics(metrics))
+        self.log.scalars({f"test/{k}": v for k, v in metrics.items()}, self.global_step, self.epoch)
+        self._call("on_evaluate", "test", metrics)
+        return metrics
+
+    def export_safetensors(self, path: str) -> str | None:
+        """Write the best (else current) weights as safetensors on rank 0 (collective for FSDP)."""
+        from dptrain import checkpoint as ckpt
+
+        state = self.best_state if self.best_state is not None else self.model_state_dict(rank0_only=True)
+        out = None
+        if self.rank == 0:
+            epoch = self.best_epoch if self.best_state is not None else self.epoch
+            out = ckpt.save_safetensors(state, path, metadata={"epoch": str(epoch)})
+        comm.barrier()
+        return out
+
+
+def _stand_in_batch(loader: Any) -> Any:
+    """One batch made of the dataset's first sample, for a rank whose eval shard is empty."""
+    collate = getattr(loader, "collate_fn", None) or torch.utils.data.default_collate
+    return collate([loader.dataset[0]])
+
