@@ -116,7 +116,10 @@ def _nbytes(obj: Any) -> int:
 
 
 def _mb(n: float) -> str:
-    return f"{n / 2**20:.1f} MB"
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("kB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
 
 
 def _no_space(path: str, needed: int, free: int) -> CheckpointSpaceError:

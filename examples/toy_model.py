@@ -74,8 +74,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     os.makedirs(args.model_dir, exist_ok=True)  # before any rank starts: no race between ranks
     world = dptrain.get_world()  # what the environment says, before joining
-    if world.world_size > 1:
-        demo_basic(world.rank, args)  # started by dptrain run / torchrun: this process is one rank
+    if world.source != "single":
+        # Started by dptrain run / torchrun / srun (even with one process): this process is one
+        # rank of the launcher's world, never a launcher itself.
+        demo_basic(world.rank, args)
     else:
         results = dptrain.spawn(demo_basic, nprocs=args.nprocs, args=(args,))
         print(f"spawned {len(results)} ranks; checksums {[round(r['checksum'], 6) for r in results]}", flush=True)

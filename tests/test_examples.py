@@ -203,3 +203,32 @@ def test_six_steps(tmp_path):
     out = proc.stdout.splitlines()
     assert out[0].startswith("epoch 2:") and not any(l.startswith("epoch 1:") for l in out)
     assert checkpoint.load(tmp_path / "m" / "model.pt")["epoch"] == 1
+
+
+# ------------------------------------------------- resuming into a longer run, any world --
+
+_TINY = {
+    "image_classification.py": ["--width", "4", "--batch_size", "64"],
+    "smiles_classifier.py": ["--num_molecules", "160", "--embedding_dim", "8", "--hidden_dim", "8", "--log_dir", ""],
+}
+
+
+@pytest.mark.parametrize("script", sorted(_TINY))
+def test_examples_resume_into_a_longer_run_on_the_same_and_another_world(tmp_path, script):
+    """`--num_epochs 1`, then `--num_epochs 2 --resume` (2 ranks), then `--num_epochs 3 --resume` on 3 ranks."""
+    common = [*_TINY[script], "--model_dir", str(tmp_path / "m")]
+    _launch(script, "--num_epochs", "1", *common, cwd=str(tmp_path))
+    lines = _launch(script, "--num_epochs", "2", "--resume", *common, cwd=str(tmp_path))
+    assert any(re.match(r"\[rank0\] resumed from .*ckpt-e0001-s\d+\.pt \(epoch 2, batch 0", l) for l in lines), lines
+    assert any(l.startswith("[rank0] epoch 2/2 |") for l in lines) and not any("epoch 1/2" in l for l in lines)
+    lines = _launch(script, "--num_epochs", "3", "--resume", *common, nproc=3, cwd=str(tmp_path))
+    assert any(re.match(r"\[rank0\] resumed from .*ckpt-e0002-s\d+\.pt \(epoch 3, batch 0", l) for l in lines), lines
+    assert any(l.startswith("[rank0] epoch 3/3 |") for l in lines)
+
+
+def test_toy_model_uses_the_launchers_world_even_of_one(tmp_path):
+    lines = _launch("toy_model.py", "--num_epochs", "1", "--model_dir", str(tmp_path / "m"), nproc=1, cwd=str(tmp_path))
+    assert "[rank0] Running basic DDP example on rank 0 of 1." in lines and not any("of 2" in l for l in lines), lines
+    # and the saved model resumes on another number of ranks
+    lines = _launch("toy_model.py", "--num_epochs", "1", "--resume", "--model_dir", str(tmp_path / "m"), cwd=str(tmp_path))
+    assert any(l.endswith("replicas identical: True") for l in lines)

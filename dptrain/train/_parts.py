@@ -63,12 +63,26 @@ class _Scheduler:
     def __init__(self, trainer, optimizer_part: _Optimizer) -> None:
         self.t, self.opt = trainer, optimizer_part
         self.note: str | None = None
+        self.saved_world_size: int | None = None  # set by restore() before loading
 
     def state_dict(self) -> dict:
         return self.t.scheduler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.note = restore_scheduler(self.t.scheduler, state, self.t.optimizer, self.opt.fresh_lrs)
+        self.note = restore_scheduler(self.t.scheduler, state, self.t.optimizer, self.opt.fresh_lrs, self._position())
+
+    def _position(self) -> int | None:
+        """Where a re-planned schedule must be put: the saved count on the same world size, else
+        this run's equivalent of the saved progress (epochs done, and steps within the epoch)."""
+        t = self.t
+        if self.saved_world_size == t.world.world_size:
+            return None
+        if t.config.scheduler_interval == "epoch":
+            return t.epoch
+        accum = t.config.gradient_accumulation_steps
+        per_epoch = -(-len(t.train_loader) // accum)
+        batches = t.batch_in_epoch * self.saved_world_size / t.world.world_size  # same samples, other shards
+        return t.epoch * per_epoch + min(per_epoch, round(batches / accum))
 
 
 class _PerRank:
@@ -138,12 +152,13 @@ class StatefulParts:
 
     def _parts(self) -> dict[str, Any]:
         t = self.t
-        parts: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer}
+        # The progress comes before the scheduler, which may need it to re-plan (see schedule.py).
+        parts: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "train_state": t.state}
         if t.scheduler is not None:
             parts["scheduler"] = self.scheduler
         if t.scaler is not None:
             parts["scaler"] = t.scaler
-        parts.update(train_state=t.state, per_rank=_PerRank(t), train_loader=_Loader(t), callbacks=_Callbacks(t))
+        parts.update(per_rank=_PerRank(t), train_loader=_Loader(t), callbacks=_Callbacks(t))
         return parts
 
     def to_save(self) -> dict[str, Any]:
@@ -162,11 +177,12 @@ class StatefulParts:
                 + (" and the same world size" if saved_sharded else "")
             )
         self.model.source = f"checkpoint {path!r}"
+        self.scheduler.saved_world_size = len(content["per_rank"])
         for name, part in self._parts().items():
             value = content.get(name)
             if value is not None:
                 part.load_state_dict(value)
-        saved_world = len(content["per_rank"])
+        saved_world = self.scheduler.saved_world_size
         if saved_world != t.world.world_size:
             _warn_once_main(
                 f"{path!r} was written by {saved_world} ranks and is resumed on {t.world.world_size}: weights and optimizer "

@@ -52,9 +52,30 @@ class StepInfo:
         return all(math.isfinite(v) for v in values)
 
     def bad_ranks(self) -> list[int]:
-        """Ranks whose loss or gradient norm is not finite."""
-        norms = self.grad_norms or [0.0] * len(self.losses)
-        return [r for r, (l, g) in enumerate(zip(self.losses, norms)) if not (math.isfinite(l) and math.isfinite(g))]
+        """Ranks where a non-finite value first appeared: a non-finite loss, else a non-finite norm.
+
+        (Under DDP one rank's NaN loss makes every rank's averaged gradient NaN: the loss
+        names the origin.)
+        """
+        bad_loss = [r for r, v in enumerate(self.losses) if not math.isfinite(v)]
+        if bad_loss:
+            return bad_loss
+        return [r for r, v in enumerate(self.grad_norms or []) if not math.isfinite(v)]
+
+    def describe(self) -> str:
+        """E.g. ``non-finite loss at step 21 (epoch 2, batch 5 of 16) on rank(s) [1] (rank 1: loss nan)``."""
+        bad_loss = [r for r, v in enumerate(self.losses) if not math.isfinite(v)]
+        bad_norm = [r for r, v in enumerate(self.grad_norms or []) if not math.isfinite(v)]
+        where = f"at step {self.step} (epoch {self.epoch + 1}, batch {self.batch} of {self.num_batches})"
+        if bad_loss:
+            values = ", ".join(f"rank {r}: loss {self.losses[r]:.4g}" for r in bad_loss)
+            text = f"non-finite loss {where} on rank(s) {bad_loss} ({values})"
+            if bad_norm:
+                norms = sorted({f"{self.grad_norms[r]:.4g}" for r in bad_norm})
+                text += f"; gradient norm {'/'.join(norms)} on rank(s) {bad_norm}"
+            return text
+        values = ", ".join(f"rank {r}: {self.grad_norms[r]:.4g}" for r in bad_norm)
+        return f"non-finite gradient norm {where} on rank(s) {bad_norm} ({values}; the losses were finite)"
 
 
 class Callback:
@@ -130,25 +151,15 @@ class NonFiniteGuard(Callback):
         if self.policy == "skip" and self.consecutive <= self.max_consecutive_skips:
             step.skip = True
             if trainer.rank == 0:
-                trainer.log.line(f"skipping step {step.step}: {self._what(step)}")
+                trainer.log.line(f"skipping step {step.step}: {step.describe()}")
             return
         newest = trainer.checkpointer.newest()
         why = f" ({self.consecutive} steps in a row)" if self.policy == "skip" else ""
         raise NonFiniteError(
-            f"rank {trainer.rank}: {self._what(step)}{why}; stopping before the optimizer step, so the weights"
+            f"rank {trainer.rank}: {step.describe()}{why}; stopping before the optimizer step, so the weights"
             f"{' and the newest checkpoint ' + repr(newest) + ' are' if newest else ' are'} still finite. Lower the "
             f"learning rate, clip gradients (TrainerConfig(max_grad_norm=...)), check the data of those ranks, or "
             f"pass TrainerConfig(nan_policy='skip') to drop such steps"
-        )
-
-    @staticmethod
-    def _what(step: StepInfo) -> str:
-        bad = step.bad_ranks()
-        losses = ", ".join(f"rank {r}: loss {step.losses[r]:.4g}" + (
-            f" grad norm {step.grad_norms[r]:.4g}" if step.grad_norms else "") for r in bad)
-        return (
-            f"non-finite loss or gradient at step {step.step} (epoch {step.epoch + 1}, batch {step.batch} of "
-            f"{step.num_batches}) on rank(s) {bad} ({losses})"
         )
 
     def state_dict(self) -> dict[str, Any]:

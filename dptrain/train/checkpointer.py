@@ -42,18 +42,19 @@ def notice(message: str) -> None:
         print(f"dptrain: {message}", file=sys.stderr, flush=True)
 
 
-def _agree(error: str | None) -> str | None:
+def _agree(error: tuple[str, str] | None) -> tuple[str, str] | None:
     """Every rank's outcome of a step, gathered: the first failure (naming its rank), or None."""
     outcomes = comm.all_gather_object(error)
     failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
     if not failed:
         return None
-    r, e = failed[0]
-    return e if len(outcomes) == 1 else f"rank {r}: {e}"
+    r, (kind, text) = failed[0]
+    return (kind, text if len(outcomes) == 1 else f"rank {r}: {text}")
 
 
-def _describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, ckpt.CheckpointError) else f"{type(exc).__name__}: {exc}"
+def _describe(exc: BaseException) -> tuple[str, str]:
+    kind = "space" if isinstance(exc, ckpt.CheckpointSpaceError) else "error"
+    return kind, (str(exc) if isinstance(exc, ckpt.CheckpointError) else f"{type(exc).__name__}: {exc}")
 
 
 class Checkpointer:
@@ -143,7 +144,8 @@ class Checkpointer:
                 if prune and self.directory and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.directory):
                     ckpt.prune_checkpoints(self.directory, self.keep_last)
             except Exception as exc:  # noqa: BLE001 - broadcast to the other ranks below
-                error = _describe(exc) if self.world_size == 1 else f"rank 0: {_describe(exc)}"
+                kind, text = _describe(exc)
+                error = (kind, text if self.world_size == 1 else f"rank 0: {text}")
         error = comm.broadcast_object(error, src=0)
         if error is not None:
             if self.rank == 0 and shards:
@@ -154,7 +156,12 @@ class Checkpointer:
                         pass
             newest = self.newest()
             kept = f" The newest complete checkpoint is {newest!r}." if newest else ""
-            raise ckpt.CheckpointError(f"saving checkpoint {path!r} failed ({error}).{kept}")
+            kind, text = error
+            err_type = ckpt.CheckpointSpaceError if kind == "space" else ckpt.CheckpointError
+            exc = err_type(f"saving checkpoint {path!r} failed ({text}).{kept}")
+            if kind == "space":
+                exc.errno = 28  # ENOSPC, as the OSError it also is
+            raise exc
         return path
 
     def save_best(self, payload: dict[str, Any]) -> None:
@@ -268,6 +275,7 @@ class Checkpointer:
                 if skipped:
                     notice(f"resuming from {path!r} instead")
                 return path, state
+            error = error[1]
             skipped.append(f"{path!r}: {error}")
             if len(candidates) > 1:
                 notice(f"skipping checkpoint {path!r}, which cannot be read ({error}); the file is left in place")

@@ -41,19 +41,22 @@ def _plan(state: Any) -> Any:
     return plan
 
 
-def restore_scheduler(scheduler: Any, saved: dict, optimizer: torch.optim.Optimizer, lrs_before_load: list[float]) -> str | None:
+def restore_scheduler(scheduler: Any, saved: dict, optimizer: torch.optim.Optimizer, lrs_before_load: list[float],
+                      steps: int | None = None) -> str | None:
     """Bring ``scheduler`` to the saved position; returns a note when it was fast-forwarded.
 
     Call it after the optimizer's state was loaded. ``lrs_before_load`` are the
     learning rates the freshly built scheduler had set, read before the optimizer's state
-    (which carries the old run's rates) was loaded.
+    (which carries the old run's rates) was loaded. ``steps``: how many times to step a
+    re-planned scheduler; default the saved count. (On another number of ranks an epoch
+    has another number of steps, so the Trainer passes the position of this run instead.)
     """
     fresh_plan = _plan(scheduler.state_dict())
     saved_plan = _plan(saved)
     if fresh_plan == saved_plan or not hasattr(scheduler, "step"):
         scheduler.load_state_dict(saved)
         return None
-    steps = int(saved.get("last_epoch", 0))
+    steps = int(saved.get("last_epoch", 0)) if steps is None else steps
     for group, lr in zip(optimizer.param_groups, lrs_before_load):
         group["lr"] = lr
     try:
@@ -71,4 +74,8 @@ def restore_scheduler(scheduler: Any, saved: dict, optimizer: torch.optim.Optimi
             f"({steps} scheduler steps, plan {saved_plan}): {exc}; keeping the checkpoint's schedule"
         )
         return None
-    return f"LR schedule re-planned for this run ({saved_plan} -> {fresh_plan}) and fast-forwarded {steps} steps"
+    changed = ", ".join(f"{k} {saved_plan.get(k)} -> {v}" for k, v in fresh_plan.items() if saved_plan.get(k) != v)
+    return (
+        f"{type(scheduler).__name__} re-planned for this run ({changed}) and fast-forwarded {steps} steps "
+        f"to where the checkpoint left it"
+    )
