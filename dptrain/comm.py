@@ -35,6 +35,7 @@ __all__ = [
     "broadcast_object",
     "all_gather_uneven",
     "is_distributed",
+    "wait",
 ]
 
 _OPS = {
@@ -90,6 +91,35 @@ def _call(name: str, fn: Callable[[], Any], tensors: Sequence[torch.Tensor] = ()
         raise _diagnostics.explain_failure(name, exc, group) from exc
     _diagnostics.after_collective(name, group)
     return out
+
+
+def wait(work: Any, name: str, group: Any = None) -> Any:
+    """Wait for an asynchronous collective's work handle, with dptrain's failure message.
+
+    The one guarded wait of the package: DDP's bucket all-reduces, FSDP's gathers and
+    reductions and the shared-memory all-reduce all end here, so a peer that died or
+    stalled past the timeout is named the same way everywhere ("rank 1 did not arrive ...").
+
+    Args:
+        work: what an ``async_op=True`` collective returned (None: nothing to wait for).
+        name: the operation, for the message (e.g. ``"FSDP all-gather of unit 'layers.0'"``).
+        group: the process group it ran on.
+
+    Returns:
+        What ``work.wait()`` returned.
+
+    Raises:
+        CollectiveError: the collective failed or timed out; names this rank, the operation
+            and, where the heartbeats tell, the ranks that never arrived.
+    """
+    if work is None:
+        return None
+    from dptrain import _diagnostics  # late: it imports comm
+
+    try:
+        return work.wait()
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        raise _diagnostics.explain_failure(name, exc, group) from exc
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False):

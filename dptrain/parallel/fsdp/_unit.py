@@ -26,14 +26,17 @@ unit's parameters got its gradient. That hook is where the gradients are reduce-
 
 from __future__ import annotations
 
+import enum
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["FlatParamUnit", "ShardingStrategy"]
+from dptrain.parallel.fsdp._collectives import all_gather_flat, reduce_scatter_flat, wait
+
+__all__ = ["FlatParamUnit", "ShardingStrategy", "UnitState"]
 
 
 class ShardingStrategy:
@@ -53,51 +56,12 @@ class _ParamInfo(NamedTuple):
     offset: int  # where it starts in the flat tensor
 
 
-# Newer torch renamed the tensor collectives; the old names still work but warn.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# Backends without the tensor collectives (older gloo builds) get list-based fallbacks.
-_FALLBACK = {"all_gather": False, "reduce_scatter": False}
+class UnitState(enum.Enum):
+    """Where a unit's parameters are: the phases its hooks move it through."""
 
-
-def _unsupported(err: Exception) -> bool:
-    text = str(err).lower()
-    return "not supported" in text or "does not support" in text or "no implementation" in text
-
-
-def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Any, world: int, async_op: bool):
-    """Gather equal shards into ``out`` (rank order). Returns a work handle or None."""
-    if world == 1:
-        out.copy_(shard)
-        return None
-    if not _FALLBACK["all_gather"]:
-        try:
-            return _ALL_GATHER(out, shard, group=group, async_op=async_op)
-        except (RuntimeError, NotImplementedError) as err:
-            if not _unsupported(err):
-                raise
-            _FALLBACK["all_gather"] = True
-    # List all_gather into views of ``out``: same bytes, one extra launch per rank.
-    return dist.all_gather(list(out.chunk(world)), shard, group=group, async_op=async_op)
-
-
-def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: Any, world: int, rank: int, async_op: bool):
-    """Sum ``full`` over ranks and leave this rank's chunk in ``out``. Returns work or None."""
-    if world == 1:
-        out.copy_(full)
-        return None
-    if not _FALLBACK["reduce_scatter"]:
-        try:
-            return _REDUCE_SCATTER(out, full, group=group, async_op=async_op)
-        except (RuntimeError, NotImplementedError) as err:
-            if not _unsupported(err):
-                raise
-            _FALLBACK["reduce_scatter"] = True
-    # Fallback: all-reduce the whole tensor, then keep our slice (2x the bytes of a
-    # reduce-scatter; only used when the backend has no reduce_scatter at all).
-    dist.all_reduce(full, group=group)
-    out.copy_(full.chunk(world)[rank])
-    return None
+    SHARDED = "sharded"  # only this rank's shard exists; full_param has no storage
+    GATHERING = "gathering"  # an all-gather into full_param is in flight
+    UNSHARDED = "unsharded"  # full_param holds the whole (padded) flat parameter
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -135,7 +99,7 @@ class FlatParamUnit:
         self.state = state
         self.is_root = False  # set by the root FSDP: its unit stays gathered after forward
 
-        self.check_params(module, params)
+        self.name = type(module).__name__  # for messages; the wrapper sets the qualified name
         uniq: dict[int, int] = {}  # id(param) -> index into infos
         self.infos: list[_ParamInfo] = []
         self.aliases: list[tuple[nn.Module, str, int]] = []  # tied weights: (module, name, info index)
@@ -171,7 +135,6 @@ class FlatParamUnit:
             if torch.cuda.is_available() and self.device.type == "cuda":
                 shard = shard.pin_memory()  # lets the host-to-device copy run async
         self.flat_param = nn.Parameter(shard, requires_grad=self.requires_grad)
-        self.flat_param._dptrain_fsdp_unit = True  # marks the parameters FSDP owns
         del full
 
         # The original parameters leave their modules; their bytes are released even when
@@ -193,7 +156,7 @@ class FlatParamUnit:
         self._set_views(grad=False)
         if not self.identity:
             free_storage(self.full_param)
-        self.unsharded = self.identity
+        self.phase = UnitState.UNSHARDED if self.identity else UnitState.SHARDED
         self._gather_work = None
         self._gather_src = None  # keeps the device copy of an offloaded shard alive while gathering
         if self.requires_grad:
@@ -201,7 +164,8 @@ class FlatParamUnit:
 
     @staticmethod
     def check_params(module: nn.Module, params) -> None:
-        """Raise ValueError if ``params`` cannot share one flat tensor."""
+        """Raise ValueError if ``params`` cannot share one flat tensor (the wrapper checks every
+        unit before flattening any, so a bad model stays untouched)."""
         dtypes = {p.dtype for _, _, p in params}
         grads = {p.requires_grad for _, _, p in params}
         if len(dtypes) != 1:
@@ -216,9 +180,14 @@ class FlatParamUnit:
             )
 
     # -- gather / free -------------------------------------------------------------------
+    @property
+    def unsharded(self) -> bool:
+        """The gathered parameters exist or are on their way (GATHERING or UNSHARDED)."""
+        return self.phase is not UnitState.SHARDED
+
     def unshard(self, async_op: bool = False) -> None:
-        """Gather the full flat parameter (no-op when already gathered)."""
-        if self.unsharded:
+        """Gather the full flat parameter (no-op when already gathered or gathering)."""
+        if self.phase is not UnitState.SHARDED:
             return
         alloc_storage(self.full_param)
         src = self.flat_param.detach()
@@ -226,24 +195,31 @@ class FlatParamUnit:
             src = src.to(self.device, non_blocking=True)
         if self.strategy == ShardingStrategy.NO_SHARD:
             self.full_param.data.copy_(src)
-        else:
-            self._gather_work = all_gather_flat(self.full_param.data, src, self.group, self.world, async_op)
-            self._gather_src = src
-        self.unsharded = True
+            self.phase = UnitState.UNSHARDED
+            return
+        # Always issued asynchronously, so that even a blocking gather is waited for through
+        # the guarded wait (a stalled peer is named, not reported as a bare timeout).
+        self._gather_work = all_gather_flat(self.full_param.data, src, self.group, self.world, async_op=True)
+        self._gather_src = src
+        self.phase = UnitState.GATHERING
+        if not async_op:
+            self.wait_unshard()
 
     def wait_unshard(self) -> None:
         if self._gather_work is not None:
-            self._gather_work.wait()
-            self._gather_work = None
+            work, self._gather_work = self._gather_work, None
+            wait(work, f"FSDP all-gather of unit '{self.name}'", self.group)
         self._gather_src = None
+        if self.phase is UnitState.GATHERING:
+            self.phase = UnitState.UNSHARDED
 
     def reshard(self) -> None:
         """Free the gathered parameters (no-op for no_shard without offload)."""
-        if self.identity or not self.unsharded:
+        if self.identity or self.phase is UnitState.SHARDED:
             return
         self.wait_unshard()
         free_storage(self.full_param)
-        self.unsharded = False
+        self.phase = UnitState.SHARDED
 
     def _set_views(self, grad: bool) -> None:
         """Point the module attributes at views into ``full_param`` (see [Note: one gradient per unit])."""
@@ -276,7 +252,7 @@ class FlatParamUnit:
     def _pre_backward(self, grad):
         state = self.state
         state.queue_finalize()
-        if not self.unsharded or self._gather_work is not None:
+        if self.phase is not UnitState.UNSHARDED:
             self.unshard()
             self.wait_unshard()
         if state.backward_prefetch:
@@ -313,8 +289,7 @@ class FlatParamUnit:
 
     def finish_grad(self, work, out) -> None:
         """Wait for this unit's reduction and add the result to the shard's gradient."""
-        if work is not None:
-            work.wait()
+        wait(work, f"FSDP gradient reduction of unit '{self.name}'", self.group)
         if out is None:  # identity: reduced in place in flat_param.grad
             return
         if self.offload:
@@ -342,9 +317,9 @@ class FlatParamUnit:
         self._drop_gathered()
 
     def _drop_gathered(self) -> None:
-        if self.unsharded and not self.identity:
+        if self.phase is not UnitState.SHARDED and not self.identity:
             self.wait_unshard()
-            self.unsharded = False  # stale gathered copy; gather again on next use
+            self.phase = UnitState.SHARDED  # stale gathered copy; gather again on next use
             free_storage(self.full_param)
 
     def load_full(self, full: torch.Tensor) -> None:

@@ -1,0 +1,68 @@
+"""FSDP's collectives: gather equal shards into one flat tensor, reduce-scatter it back.
+
+Both use the single-tensor collectives (one launch for the whole unit) and fall back to the
+list forms on backends that lack them. Waiting on what they return goes through
+:func:`dptrain.comm.wait`, so a peer that never arrives is named like everywhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dptrain import comm
+
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "wait"]
+
+# Newer torch renamed the tensor collectives; the old names still work but warn.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Backends without the tensor collectives (older gloo builds) get list-based fallbacks.
+_FALLBACK = {"all_gather": False, "reduce_scatter": False}
+
+
+def _unsupported(err: Exception) -> bool:
+    text = str(err).lower()
+    return "not supported" in text or "does not support" in text or "no implementation" in text
+
+
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Any, world: int, async_op: bool):
+    """Gather equal shards into ``out`` (rank order). Returns a work handle or None."""
+    if world == 1:
+        out.copy_(shard)
+        return None
+    if not _FALLBACK["all_gather"]:
+        try:
+            return _ALL_GATHER(out, shard, group=group, async_op=async_op)
+        except (RuntimeError, NotImplementedError) as err:
+            if not _unsupported(err):
+                raise
+            _FALLBACK["all_gather"] = True
+    # List all_gather into views of ``out``: same bytes, one extra launch per rank.
+    return dist.all_gather(list(out.chunk(world)), shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: Any, world: int, rank: int, async_op: bool):
+    """Sum ``full`` over ranks and leave this rank's chunk in ``out``. Returns work or None."""
+    if world == 1:
+        out.copy_(full)
+        return None
+    if not _FALLBACK["reduce_scatter"]:
+        try:
+            return _REDUCE_SCATTER(out, full, group=group, async_op=async_op)
+        except (RuntimeError, NotImplementedError) as err:
+            if not _unsupported(err):
+                raise
+            _FALLBACK["reduce_scatter"] = True
+    # Fallback: all-reduce the whole tensor, then keep our slice (2x the bytes of a
+    # reduce-scatter; only used when the backend has no reduce_scatter at all).
+    comm.wait(dist.all_reduce(full, group=group, async_op=True), "FSDP reduce-scatter (all-reduce fallback)", group)
+    out.copy_(full.chunk(world)[rank])
+    return None
+
+
+def wait(work: Any, what: str, group: Any) -> None:
+    """Wait for an FSDP collective; a failure names the operation and the missing rank."""
+    comm.wait(work, what, group)
