@@ -225,13 +225,21 @@ class EarlyStopping(Callback):
         self.best, self.best_epoch, self.wait = state.get("best"), state.get("best_epoch"), int(state.get("wait", 0))
 
 
-def gather_step_values(loss: torch.Tensor, grad_norm: torch.Tensor | None, device: torch.device) -> tuple[list[float], list[float] | None]:
-    """Every rank's (loss, grad norm) of this step, on every rank: one all-gather of two numbers."""
+def gather_step_values(loss: torch.Tensor, grad_norm: torch.Tensor | None, device: torch.device,
+                       flag: float = 0.0) -> tuple[list[float], list[float] | None, list[float]]:
+    """Every rank's (loss, grad norm, flag) of this step, on every rank: one all-gather of three numbers.
+
+    ``flag`` carries what a rank must tell the others at a step boundary (a preemption
+    signal it received), so every rank acts on it in the same step.
+    """
     from dptrain import comm
 
-    mine = torch.stack([loss.detach().to(device, torch.float64).reshape(()),
-                        (grad_norm.detach().to(device, torch.float64).reshape(()) if grad_norm is not None
-                         else torch.zeros((), dtype=torch.float64, device=device))])
+    norm = grad_norm.detach().to(device, torch.float64).reshape(()) if grad_norm is not None else None
+    mine = torch.stack([
+        loss.detach().to(device, torch.float64).reshape(()),
+        norm if norm is not None else torch.zeros((), dtype=torch.float64, device=device),
+        torch.tensor(float(flag), dtype=torch.float64, device=device),
+    ])  # fmt: skip
     if comm.is_distributed():
         import torch.distributed as dist
 
@@ -242,4 +250,4 @@ def gather_step_values(loss: torch.Tensor, grad_norm: torch.Tensor | None, devic
     values = torch.stack(parts).cpu().tolist()
     losses = [v[0] for v in values]
     norms = [v[1] for v in values] if grad_norm is not None else None
-    return losses, norms
+    return losses, norms, [v[2] for v in values]

@@ -55,6 +55,11 @@ class TrainerConfig:
             Default None (never stop early).
         early_stopping_metric: the dev metric to watch. Default None: ``best_metric``.
         early_stopping_min_delta: the smallest change that counts as an improvement. Default 0.
+        preemption: ``"auto"`` (default): under Slurm (``SLURM_JOB_ID`` set), SIGUSR1 or SIGTERM
+            make ``fit`` finish the current step, write a checkpoint, requeue the job with
+            ``scontrol requeue`` and exit (see :mod:`dptrain.train.preemption`); ``"on"``:
+            the same outside Slurm too (without the requeue); ``"off"``: signals keep their
+            default meaning.
         log_dir: TensorBoard directory (rank 0 writes). Default None.
         log_every_steps: step-scalar interval for TensorBoard and the metrics file. Default 10.
         metrics_path: also write every logged value to this file on rank 0, one record per
@@ -99,6 +104,7 @@ class TrainerConfig:
     early_stopping_patience: int | None = None
     early_stopping_metric: str | None = None
     early_stopping_min_delta: float = 0.0
+    preemption: str = "auto"
     log_dir: str | None = None
     log_every_steps: int = 10
     metrics_path: str | None = None
@@ -142,6 +148,8 @@ class TrainerConfig:
                 f"TrainerConfig(early_stopping_patience={self.early_stopping_patience!r}) must be an integer >= 1, "
                 f"or None to never stop early"
             )
+        if self.preemption not in ("auto", "on", "off"):
+            raise ValueError(f"TrainerConfig(preemption={self.preemption!r}) must be 'auto', 'on' or 'off'")
         if not self.early_stopping_min_delta >= 0:
             raise ValueError(f"TrainerConfig(early_stopping_min_delta={self.early_stopping_min_delta!r}) must be >= 0")
         if not self.progress_interval_s > 0:

@@ -33,6 +33,7 @@ from dptrain.train.callbacks import Callback, EarlyStopping, NonFiniteError, Non
 from dptrain.train.checkpointer import Checkpointer
 from dptrain.train.config import TrainerConfig
 from dptrain.train.log import TrainerLog, format_metrics
+from dptrain.train.preemption import Preempted, PreemptionWatcher, in_slurm_job, requeue_job
 from dptrain.train.state import TrainState
 from dptrain.train.strategy import build_scheduler, make_strategy
 
@@ -166,6 +167,8 @@ class Trainer:
         self.best_state: dict[str, torch.Tensor] | None = None  # plain-key CPU copy of the best weights
         self.resumed_from: str | None = None
         self.stop_reason: str | None = None
+        self._preempted_by: int | None = None
+        self._preemption = PreemptionWatcher(False)
         self.log = TrainerLog(False, None, False, False)  # the real one is made by fit()
         self._parts = _parts.StatefulParts(self)
 
@@ -301,7 +304,10 @@ class Trainer:
             metrics_path=cfg.metrics_path, progress_interval_s=cfg.progress_interval_s,
         )  # fmt: skip
         self.stop_reason = None
+        preemption = cfg.preemption == "on" or (cfg.preemption == "auto" and in_slurm_job())
+        self._preemption = PreemptionWatcher(preemption)
         try:
+            self._preemption.__enter__()
             if self.resumed_from:
                 self.log.line(
                     f"resumed from {self.resumed_from} (epoch {self.epoch + 1}, batch {self.batch_in_epoch}, "
@@ -312,6 +318,8 @@ class Trainer:
                 self._run_epoch(max_epochs)
             if self.stop_reason is not None:
                 self.log.line(self.stop_reason)
+            if self._preempted_by is not None:
+                self._leave_for_preemption()
             summary = self._finish()
             self._call("on_fit_end", summary)
             return summary
@@ -320,7 +328,18 @@ class Trainer:
                 self._call("on_exception", exc)
             raise
         finally:
+            self._preemption.__exit__(None, None, None)
             self.log.close()
+
+    def _leave_for_preemption(self) -> None:
+        """After the preemption checkpoint: requeue (rank 0), then leave with :class:`Preempted`."""
+        why = requeue_job() if self.rank == 0 and in_slurm_job() else "not a Slurm job"
+        why = comm.broadcast_object(why, src=0)
+        if why is None:
+            self.log.line("job requeued with scontrol; it resumes from the checkpoint when it runs again")
+            raise Preempted(0)
+        self.log.line(f"not requeued ({why}); continue with resume='auto' (the examples' --resume)")
+        raise Preempted(143)
 
     def _finish(self) -> dict[str, Any]:
         cfg = self.config
@@ -419,10 +438,13 @@ class Trainer:
             # With a gradient scaler, infinite gradients are its business (it skips the step).
             norm = self.strategy.grad_norm(self.model)
         info = None
-        if cfg.nan_policy != "off" or self.callbacks:
-            losses, norms = gather_step_values(step_loss, norm if self.scaler is None else None, self.device)
+        if cfg.nan_policy != "off" or self.callbacks or self._preemption.enabled:
+            signalled = self._preemption.signal or 0
+            losses, norms, flags = gather_step_values(step_loss, norm if self.scaler is None else None, self.device,
+                                                      signalled)
             info = StepInfo(self.global_step + 1, self.epoch, batch, num_batches, losses, norms)
             self._call("on_before_optimizer_step", info)
+            self._note_preemption(flags, info.step)
         skip = info is not None and info.skip
         if skip:
             self.state.skipped_steps += 1
@@ -440,6 +462,17 @@ class Trainer:
         if info is not None:
             self._call("on_step_end", info)
         return not skip
+
+    def _note_preemption(self, flags: list[float], step: int) -> None:
+        received = [(r, int(f)) for r, f in enumerate(flags) if f]
+        if received and self._preempted_by is None:
+            import signal
+
+            rank, sig = received[0]
+            self._preempted_by = sig
+            self.request_stop(
+                f"preempted: {signal.Signals(sig).name} reached rank {rank}; stopping after step {step} to write a checkpoint"
+            )
 
     def _end_epoch(self, epoch: int, start: int, elapsed: float, max_epochs: int) -> None:
         cfg = self.config
