@@ -1,0 +1,237 @@
+"""The shared-memory all-reduce: numerics, the DDP hook-up, fallbacks, and failures.
+
+Rank functions check what a user relies on: the sum order (bitwise equal to gloo on two
+ranks, rank order on more), that ``DistributedDataParallel`` picks shared memory by itself
+on one node and gloo when told or when it cannot, that waiting burns no CPU, that the
+segment is private and never left in ``/dev/shm``, and that a rank killed in the middle of
+an all-reduce is named by the others instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dptrain
+from dptrain import _rendezvous, _shm
+from tests import _dist
+from tests._dist import run_ranks
+
+
+def _sum_order(rank):
+    n = dist.get_world_size()
+    g = _shm.ShmGroup.create(None, 24 * 1024, what="test all-reduce")  # room for 1136 staged floats
+    st = os.fstat(g._seg.fd)
+    private = (stat.S_IMODE(st.st_mode), st.st_uid == os.getuid(), os.path.exists(g._seg.path))
+    # Values where fp32 addition is not associative, so a different order shows.
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(5000, generator=gen) * 10.0 ** (3 * r) for r in range(n)]
+    expected = xs[0] + xs[1]
+    for x in xs[2:]:
+        expected = expected + x
+    in_place = g.zeros(5000, torch.float32)
+    in_place.copy_(xs[rank])
+    g.all_reduce(in_place).wait()
+    staged = xs[rank].clone().view(50, 100)[:, :70]  # not in the segment, not contiguous, > free room
+    g.all_reduce(staged).wait()
+    gloo = xs[rank].clone()
+    dist.all_reduce(gloo)
+    return (
+        private,
+        torch.equal(in_place, expected),
+        torch.equal(staged, expected.view(50, 100)[:, :70]),
+        torch.equal(in_place, gloo) if n == 2 else None,
+    )
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_sum_is_in_rank_order_on_every_rank_and_equals_gloo_on_two(nprocs):
+    for private, in_place, staged, same_as_gloo in run_ranks(_sum_order, nprocs):
+        assert private == (0o600, True, False)  # mode 0600, ours, and the name already unlinked
+        assert in_place and staged
+        assert same_as_gloo in (True, None)
+
+
+def _ddp_choices(rank):
+    from torch import nn
+
+    def make(**kw):
+        torch.manual_seed(0)
+        return dptrain.DDP(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)), **kw)
+
+    auto, off = make(), make(shm=False)
+    seg = auto.reducer.shm._seg
+    inside = all(seg.offset_of(b.flat) is not None for b in auto.reducer.buckets)
+    os.environ["DPTRAIN_SHM"] = "0"
+    by_env, forced = make(), make(shm=True)
+    del os.environ["DPTRAIN_SHM"]
+    # Another node (as rank 1 reports it): every rank falls back to gloo, or raises if forced.
+    real = _shm._node_identity
+    _shm._node_identity = (lambda: ("elsewhere",) + real()[1:]) if rank == 1 else real
+    other_node = make()
+    with pytest.raises(ValueError, match="rank 1 is on another node than rank 0"):
+        make(shm=True)
+    _shm._node_identity = real
+    # The models train the same either way, bitwise, against PyTorch's DDP too.
+    torch.manual_seed(0)
+    ref = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)))
+    models = [auto, off, by_env, forced, other_node, ref]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    for step in range(3):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    params = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+    return (
+        [m.reducer.shm is not None for m in models[:5]],
+        inside,
+        [torch.equal(p, params[-1]) for p in params],
+    )
+
+
+def test_ddp_uses_shared_memory_on_one_node_unless_told_or_unable():
+    for used, inside, same in run_ranks(_ddp_choices, 2):
+        assert used == [True, False, False, True, False]  # auto, shm=False, DPTRAIN_SHM=0, shm=True, other node
+        assert inside  # the buckets themselves live in the segment: no copy in or out
+        assert all(same)
+
+
+def _idle_wait(rank):
+    g = _shm.ShmGroup.create(None, 1 << 12, what="test all-reduce")
+    t = g.zeros(16, torch.float32)
+    g.all_reduce(t).wait()
+    if rank == 1:
+        time.sleep(1.5)
+        g.all_reduce(t).wait()
+        return None
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    g.all_reduce(t).wait()
+    return time.process_time() - cpu0, time.monotonic() - wall0
+
+
+def test_a_waiting_rank_sleeps_instead_of_spinning():
+    cpu, wall = run_ranks(_idle_wait, 2)[0]
+    assert wall > 1.0
+    assert cpu < 0.3 * wall, f"rank 0 used {cpu:.2f}s of CPU while waiting {wall:.2f}s for rank 1"
+
+
+# ---------------------------------------------------------------- a rank that dies
+def _entry(fn, rank, n, port, conn):
+    os.environ.update(_rendezvous.rank_environ(
+        rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0, num_nodes=1,
+        master_addr="127.0.0.1", master_port=port, run_id="shm-test",
+    ))
+    os.environ["DPTRAIN_TIMEOUT"] = "30"  # a missed death fails in 30 s, not 10 minutes
+    torch.set_num_threads(1)
+    dptrain.init(backend="gloo")
+    try:
+        conn.send(("ok", fn(rank)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _run_with_a_victim(fn, n, timeout=60.0):
+    """Like run_ranks, but a rank's death does not stop the others: the survivors report."""
+    server = _rendezvous._StoreServer("127.0.0.1", 0, n, timeout_s=timeout)
+    procs, conns = [], []
+    try:
+        for rank in range(n):
+            parent, child = _dist._ctx.Pipe(duplex=False)
+            p = _dist._ctx.Process(target=_entry, args=(fn, rank, n, server.port, child))
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+        deadline = time.monotonic() + timeout
+        out = []
+        for p, c in zip(procs, conns):
+            try:
+                if c.poll(max(0.0, deadline - time.monotonic())):
+                    out.append(c.recv())
+                    continue
+            except EOFError:  # it died without a word
+                p.join(5)
+            out.append(("no answer", p.exitcode))
+        return out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        server.close()
+
+
+def _die_in_the_middle(rank):
+    from torch import nn
+
+    model = dptrain.DDP(nn.Linear(64, 64))
+    seg = model.reducer.shm._seg
+    model(torch.randn(4, 64)).sum().backward()  # one healthy step
+    if rank == 1:
+        arrive = seg.barrier
+
+        def arrive_then_die(op):  # pass the first barrier of the all-reduce, then vanish
+            arrive(op)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        seg.barrier = arrive_then_die
+    t0 = time.monotonic()
+    try:
+        model(torch.randn(4, 64)).sum().backward()
+    except dptrain.comm.CollectiveError as exc:
+        return str(exc), time.monotonic() - t0, seg.path
+    return "no error", 0.0, seg.path
+
+
+def test_a_rank_killed_mid_all_reduce_is_named_and_leaves_no_segment():
+    (status, (msg, waited, path)), victim = _run_with_a_victim(_die_in_the_middle, 2)
+    assert status == "ok" and victim == ("no answer", -signal.SIGKILL)
+    assert msg.startswith("rank 0: DDP gradient all-reduce (bucket 0)"), msg
+    assert "rank 1 did not arrive: its process exited" in msg, msg
+    assert waited < 10, "noticed through the liveness lock, not the 30 s timeout"
+    assert os.path.basename(path).startswith(_shm.SEGMENT_PREFIX)
+    assert not os.path.exists(path)
+    assert not [f for f in os.listdir("/dev/shm") if f in os.path.basename(path)]
+
+
+def _die_while_attaching(rank):
+    created = []
+    make = _shm._create
+
+    def create_and_remember(path, nbytes):
+        created.append(path)
+        return make(path, nbytes)
+
+    _shm._create = create_and_remember
+    if rank == 1:
+        _shm._open_existing = lambda path, nbytes: os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        _shm.ShmGroup.create(None, 1 << 20, what="test all-reduce")
+    except Exception as exc:  # noqa: BLE001 - the peer's death surfaces as gloo's error
+        return type(exc).__name__, created[0], os.path.exists(created[0])
+    return "no error", created[0], os.path.exists(created[0])
+
+
+def test_a_rank_killed_during_construction_leaves_no_segment():
+    (status, (error, path, exists)), victim = _run_with_a_victim(_die_while_attaching, 2)
+    assert status == "ok" and victim[0] == "no answer"
+    assert error != "no error" and path.startswith("/dev/shm/" + _shm.SEGMENT_PREFIX)
+    assert not exists and not os.path.exists(path)
+
+
+def test_group_obstacle_names_the_rank_and_the_reason():
+    node = ("host-a", "boot", 1, 0)
+    ok = {"wish": None, "obstacle": None, "node": node}
+    assert _shm._group_obstacle([ok, ok], [0, 1]) is None
+    assert "rank 3 turned it off" in _shm._group_obstacle([ok, dict(ok, wish=False)], [0, 3])
+    assert "on rank 1 the tensors are on cuda:0" in _shm._group_obstacle(
+        [ok, dict(ok, obstacle="the tensors are on cuda:0, not on the CPU")], [0, 1])
+    assert "(host-b vs host-a)" in _shm._group_obstacle([ok, dict(ok, node=("host-b",) + node[1:])], [0, 1])
