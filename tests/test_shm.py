@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import dptrain
-from dptrain import _rendezvous, _shm
+from dptrain import _rendezvous, _shm, _shm_segment
 from tests import _dist
 from tests._dist import run_ranks
 
@@ -72,12 +72,12 @@ def _ddp_choices(rank):
     by_env, forced = make(), make(shm=True)
     del os.environ["DPTRAIN_SHM"]
     # Another node (as rank 1 reports it): every rank falls back to gloo, or raises if forced.
-    real = _shm._node_identity
-    _shm._node_identity = (lambda: ("elsewhere",) + real()[1:]) if rank == 1 else real
+    real = _shm_segment._node_identity
+    _shm_segment._node_identity = (lambda: ("elsewhere",) + real()[1:]) if rank == 1 else real
     other_node = make()
     with pytest.raises(ValueError, match="rank 1 is on another node than rank 0"):
         make(shm=True)
-    _shm._node_identity = real
+    _shm_segment._node_identity = real
     # The models train the same either way, bitwise, against PyTorch's DDP too.
     torch.manual_seed(0)
     ref = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)))
@@ -178,8 +178,8 @@ def _die_in_the_middle(rank):
     if rank == 1:
         arrive = seg.barrier
 
-        def arrive_then_die(op):  # pass the first barrier of the all-reduce, then vanish
-            arrive(op)
+        def arrive_then_die(*args):  # pass the first barrier of the all-reduce, then vanish
+            arrive(*args)
             os.kill(os.getpid(), signal.SIGKILL)
 
         seg.barrier = arrive_then_die
@@ -204,15 +204,15 @@ def test_a_rank_killed_mid_all_reduce_is_named_and_leaves_no_segment():
 
 def _die_while_attaching(rank):
     created = []
-    make = _shm._create
+    make = _shm_segment._create
 
     def create_and_remember(path, nbytes):
         created.append(path)
         return make(path, nbytes)
 
-    _shm._create = create_and_remember
+    _shm_segment._create = create_and_remember
     if rank == 1:
-        _shm._open_existing = lambda path, nbytes: os.kill(os.getpid(), signal.SIGKILL)
+        _shm_segment._open_existing = lambda path, nbytes: os.kill(os.getpid(), signal.SIGKILL)
     try:
         _shm.ShmGroup.create(None, 1 << 20, what="test all-reduce")
     except Exception as exc:  # noqa: BLE001 - the peer's death surfaces as gloo's error
@@ -230,8 +230,31 @@ def test_a_rank_killed_during_construction_leaves_no_segment():
 def test_group_obstacle_names_the_rank_and_the_reason():
     node = ("host-a", "boot", 1, 0)
     ok = {"wish": None, "obstacle": None, "node": node}
-    assert _shm._group_obstacle([ok, ok], [0, 1]) is None
-    assert "rank 3 turned it off" in _shm._group_obstacle([ok, dict(ok, wish=False)], [0, 3])
-    assert "on rank 1 the tensors are on cuda:0" in _shm._group_obstacle(
+    assert _shm_segment._group_obstacle([ok, ok], [0, 1]) is None
+    assert "rank 3 turned it off" in _shm_segment._group_obstacle([ok, dict(ok, wish=False)], [0, 3])
+    assert "on rank 1 the tensors are on cuda:0" in _shm_segment._group_obstacle(
         [ok, dict(ok, obstacle="the tensors are on cuda:0, not on the CPU")], [0, 1])
-    assert "(host-b vs host-a)" in _shm._group_obstacle([ok, dict(ok, node=("host-b",) + node[1:])], [0, 1])
+    assert "(host-b vs host-a)" in _shm_segment._group_obstacle([ok, dict(ok, node=("host-b",) + node[1:])], [0, 1])
+
+
+def _join_uneven(rank):
+    from torch import nn
+
+    def make(cls):
+        torch.manual_seed(0)
+        return cls(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 32)), bucket_cap_mb=0.01)
+
+    out = []
+    for model in (make(dptrain.DDP), make(nn.parallel.DistributedDataParallel)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with model.join():
+            for step in range(2 if rank == 0 else 5):  # rank 0 joins early and shadows with zeros
+                opt.zero_grad()
+                model(torch.randn(8, 32, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+                opt.step()
+        out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return torch.equal(out[0], out[1])
+
+
+def test_a_rank_that_joined_early_all_reduces_zeros_through_its_buckets():
+    assert run_ranks(_join_uneven, 2) == [True, True]

@@ -441,9 +441,13 @@ class Reducer:
             self._works[bucket.index] = self._run_hook(bucket, bucket.buffer)
 
     def _all_reduce(self, flat: torch.Tensor, index: int) -> Any:
-        """Sum one bucket across ranks, asynchronously: in shared memory on one node, else gloo/NCCL."""
+        """Sum one bucket across ranks, asynchronously: in shared memory on one node, else gloo/NCCL.
+
+        In shared memory a bucket's bytes meet at the bucket's own place on every rank, also
+        when a joined rank all-reduces zeros (``flat`` is then not the bucket itself).
+        """
         if self.shm is not None:
-            return self.shm.all_reduce(flat, tag=f"bucket {index}")
+            return self.shm.all_reduce(flat, tag=f"bucket {index}", slot=self.buckets[index].flat)
         return dist.all_reduce(flat, group=self.process_group, async_op=True)
 
     def _run_hook(self, bucket: _Bucket, buffer: torch.Tensor) -> Any:

@@ -136,8 +136,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim = optimizer_class(self._partition_parameters()[self.rank], **defaults)
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
         self._build_param_buckets()
-        self._shm: _shm.ShmGroup | None = None
-        self._make_shm()
+        # The shared-memory group is made at the first step (a collective), so that building
+        # the optimizer, like PyTorch's, does not communicate; False until decided.
+        self._shm: _shm.ShmGroup | None | bool = False
         self.initialized = True
 
     # ------------------------------------------------------------------ parameters
@@ -211,7 +212,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim.add_param_group(mine[-1])
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
         self._build_param_buckets()
-        self._make_shm()
+        self._drop_shm()
 
     @staticmethod
     def _sync_param_groups(src: list[dict], dst: list[dict]) -> None:
@@ -226,13 +227,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return [[dev[r] for dev in self._buckets] for r in range(self.world_size)]
         return [[p.data for g in groups for p in g["params"]] for groups in self._partition_parameters()]
 
-    def _make_shm(self) -> None:
-        if self._shm is not None:
+    def _drop_shm(self) -> None:
+        """The shards changed size: make a new group at the next step."""
+        if self._shm:
             self._shm.close()
-            self._shm = None
-        if self.world_size < 2:
-            return
-        per_rank = self._per_rank_tensors()
+        self._shm = False
+
+    def _make_shm(self, per_rank: list[list[torch.Tensor]]) -> None:
         need = max(sum(-(-t.numel() * t.element_size() // 64) * 64 for t in ts) for ts in per_rank)
         self._shm = _shm.ShmGroup.create(
             self.process_group, need, what="ZeRO parameter sync", want=self._shm_wish,
@@ -269,6 +270,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return
         per_rank = self._per_rank_tensors()
         name = "ZeRO parameter sync"
+        if self._shm is False:
+            self._make_shm(per_rank)
         _diagnostics.enter(name)
         try:
             if self._shm is not None:
@@ -310,7 +313,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._is_trainable_mask = mask
             if self.parameters_as_bucket_view:
                 self._build_param_buckets()
-                self._make_shm()
+                self._drop_shm()
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
