@@ -58,6 +58,8 @@ class Work:
         self._error: BaseException | None = None
 
     def wait(self, timeout: Any = None) -> bool:
+        """Block until done; ``timeout`` is accepted for torch's signature, the group's own
+        collective timeout (``dptrain.init(timeout=)``) applies."""
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -119,7 +121,6 @@ class _Runner:
                 self.jobs.put(None)  # the worker closes the segment after the queued work
 
 
-
 class ShmGroup:
     """Shared-memory all-reduce and all-gather among the ranks of a process group on one node.
 
@@ -175,6 +176,7 @@ class ShmGroup:
         """
         seg = open_segment(group, nbytes, what, want, devices)
         return None if seg is None else cls(seg, group)
+
     # ---- memory
     def zeros(self, numel: int, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
         """A zero-filled tensor in this rank's region, at the same offset on every rank.
@@ -272,18 +274,17 @@ class ShmGroup:
         self._finalizer()
 
 
-
 # --------------------------------------------------------------------------- for DDP
 def for_parameters(params: Sequence[torch.Tensor], group: Any, want: bool | None, what: str) -> ShmGroup | None:
     """The group for a reducer whose buckets hold ``params``' gradients; collective.
 
     Each rank's region holds every bucket (the reducer allocates them with
     :meth:`ShmGroup.zeros`) plus room for padding and a staging area for other
-    all-reduces (join's zero gradients), processed in pieces.
+    all-reduces of ordinary tensors, processed in pieces (the reducer itself never needs it).
     """
     buckets = sum(_aligned(p.numel() * p.element_size()) for p in params)
     slack = 2048 * 8 + _ALIGN * (len(params) + 1)  # a bucket's status slot and 1024-element padding
-    staging = min(buckets, 4 * 2**20)
+    staging = min(buckets, 256 * 1024)
     devices = sorted({p.device for p in params}, key=str)
     return ShmGroup.create(group, buckets + slack + staging, what=what, want=want, devices=devices)
 

@@ -13,8 +13,10 @@ SIGTERM, or a SIGKILL from the launcher alike, with no cleanup code that could b
 Only during construction (a few milliseconds) does the name exist; a rank that fails
 there removes it, and only the death of *every* rank inside that window could leave it.
 
-Layout: a header page with one 32-bit arrival counter per rank (each on its own cache
-line), then one region of equal size per rank. Buffers are placed at the same offset in
+Layout: a header page with one cache line per rank -- its 32-bit arrival counter and a
+descriptor of the collective it entered, which every rank compares after the first
+barrier, so that mismatched collectives fail naming each rank's call instead of adding
+unrelated bytes -- then one region of equal size per rank. Buffers are placed at the same offset in
 every region, so "rank j's copy of buffer b" is ``region[j] + offset(b)``. The reducer
 allocates its gradient buckets in this rank's region (:meth:`ShmGroup.zeros`): backward
 writes the gradients straight into shared memory, and the all-reduce needs no copy in and
@@ -173,7 +175,6 @@ def _local_obstacle(devices: Sequence[torch.device]) -> str | None:
     return None
 
 
-
 class _Segment:
     """The mapping, the counters and the protocol. Owned by one ShmGroup and its worker."""
 
@@ -268,15 +269,21 @@ class _Segment:
 
     def _wait_for(self, j: int, target: int, deadline: float, op: str) -> None:
         counter = self.counters[j]
+
+        def arrived() -> bool:  # counters wrap around: compare modulo 2**32
+            return ((counter.value - target) & 0xFFFFFFFF) < 0x80000000
+
         for _ in range(_SPIN_READS):
-            if ((counter.value - target) & 0xFFFFFFFF) < 0x80000000:
+            if arrived():
                 return
         while True:
             seen = counter.value
-            if ((seen - target) & 0xFFFFFFFF) < 0x80000000:
+            if arrived():
                 return
             now = time.monotonic()
             if now >= deadline or not self.alive(j):
+                if arrived():  # it arrived, then finished and exited, just now
+                    return
                 self._fail(j, op, timed_out=now >= deadline)
             _futex_wait(self.addrs[j], seen, min(_WAIT_SLICE_S, max(deadline - now, 0.001)))
 
@@ -414,7 +421,7 @@ def _attach(group: Any, me: int, ranks: list[int], path: str, nbytes: int, heade
                 seg.path = path  # for messages and tests; the name is gone after construction
                 seg.lock_own_byte()
             except (OSError, ValueError) as exc:
-                problem = f"cannot map {path} on rank {ranks[me]}: {exc}"
+                problem = f"cannot map {path}: {exc}"
         problems = comm.all_gather_object(problem, group=group)
     finally:
         _unlink(path)  # every rank tries: the name must not outlive construction

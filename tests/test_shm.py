@@ -9,10 +9,12 @@ an all-reduce is named by the others instead of hanging them.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import stat
 import time
+import warnings
 
 import pytest
 import torch
@@ -78,10 +80,18 @@ def _ddp_choices(rank):
     with pytest.raises(ValueError, match="rank 1 is on another node than rank 0"):
         make(shm=True)
     _shm_segment._node_identity = real
+    # A /dev/shm too small for the buckets: gloo, and a warning (from rank 0) that says how to fix it.
+    fallocate = os.posix_fallocate
+    os.posix_fallocate = lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        no_room = make()
+    os.posix_fallocate = fallocate
+    warned = [str(w.message) for w in caught if "shared memory is off" in str(w.message)]
     # The models train the same either way, bitwise, against PyTorch's DDP too.
     torch.manual_seed(0)
     ref = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)))
-    models = [auto, off, by_env, forced, other_node, ref]
+    models = [auto, off, by_env, forced, other_node, no_room, ref]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
     for step in range(3):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -91,17 +101,23 @@ def _ddp_choices(rank):
             o.step()
     params = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
     return (
-        [m.reducer.shm is not None for m in models[:5]],
+        [m.reducer.shm is not None for m in models[:6]],
         inside,
         [torch.equal(p, params[-1]) for p in params],
+        warned,
     )
 
 
 def test_ddp_uses_shared_memory_on_one_node_unless_told_or_unable():
-    for used, inside, same in run_ranks(_ddp_choices, 2):
-        assert used == [True, False, False, True, False]  # auto, shm=False, DPTRAIN_SHM=0, shm=True, other node
+    results = run_ranks(_ddp_choices, 2)
+    for used, inside, same, _ in results:
+        # auto, shm=False, DPTRAIN_SHM=0, shm=True, another node, /dev/shm full
+        assert used == [True, False, False, True, False, False]
         assert inside  # the buckets themselves live in the segment: no copy in or out
         assert all(same)
+    warned = results[0][3]
+    assert len(warned) == 1 and "cannot reserve" in warned[0] and "--shm-size" in warned[0], warned
+    assert results[1][3] == []  # warnings come from rank 0 only
 
 
 def _idle_wait(rank):

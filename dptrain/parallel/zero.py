@@ -124,12 +124,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.global_rank = dist.get_global_rank(process_group, self.rank) if distributed else 0
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._overlap_with_ddp = False
-        self._optimizer_class = optimizer_class
         self._optim_defaults = defaults
         self._default_device = self._all_params[0].device
         self._shm_wish = shm
         self._partition: list[list[dict]] = []
-        self._owner: dict[torch.Tensor, int] = {}
         self._all_state_dicts: list[dict] = []
         self._buckets: list[list[torch.Tensor]] = []
         self._is_trainable_mask = self._trainable_mask()
@@ -191,14 +189,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     sizes[r] += p.numel()
                 for r, share in enumerate(shares):
                     self._partition[r].append({**group, "params": share})
-            self._owner = {p: r for r, groups in enumerate(self._partition) for g in groups for p in g["params"]}
         return self._partition
 
     def _index_to_param(self) -> list[torch.Tensor]:
         return list(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a parameter group on every rank (collective when sharing through shared memory).
+        """Add a parameter group; call it on every rank, as PyTorch's ZeRO requires.
 
         The new group's parameters are partitioned like the others; the earlier groups keep
         their owners, so the local optimizers keep their state.
