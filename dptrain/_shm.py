@@ -259,6 +259,7 @@ class ShmGroup:
         if room < 1:
             raise ValueError(f"{op}: the shared-memory region has no free space for a staged all-reduce")
         flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
+        seg.settle(op)  # the staging area is where all_gather publishes
         for start in range(0, flat.numel(), room):
             piece = flat[start : start + room]
             stage = seg.view(seg.rank, self._next, piece.numel(), tensor.dtype)

@@ -191,6 +191,7 @@ class _Segment:
         self.addrs = [base + _ALIGN * j for j in range(self.n)]
         self.base = base
         self.seq = 0  # barriers passed by this rank
+        self.reads_pending: int | None = None  # all_gather: the barrier meaning "all have read"
         self.timeout_s = env._timeout().total_seconds()
         self.broken: str | None = None
         self.count = 0  # collectives issued, for messages
@@ -227,22 +228,29 @@ class _Segment:
     # ---- barrier
     def barrier(self, op: str, desc: tuple[int, int, int] | None = None) -> None:
         """Arrive, then wait for every rank; with ``desc``, also check they all do the same."""
-        if self.broken:
-            raise ShmPeerError(f"{op} not started: {self.broken}")
         if desc is not None:
             self.descs[self.rank][:] = desc
+        self.wait_all(self.arrive(op), op)
+        if desc is not None:
+            self._check(op, [tuple(d) for d in self.descs])
+
+    def arrive(self, op: str) -> int:
+        """Publish that this rank reached the next barrier; returns its number."""
+        if self.broken:
+            raise ShmPeerError(f"{op} not started: {self.broken}")
         self.seq = (self.seq + 1) & 0xFFFFFFFF
-        target = self.seq
         _fence()
-        self.counters[self.rank].value = target
+        self.counters[self.rank].value = self.seq
         _futex_wake(self.addrs[self.rank])
+        return self.seq
+
+    def wait_all(self, target: int, op: str) -> None:
+        """Wait until every other rank arrived at barrier ``target``."""
         deadline = time.monotonic() + self.timeout_s
         for j in range(self.n):
             if j != self.rank:
                 self._wait_for(j, target, deadline, op)
         _fence()
-        if desc is not None:
-            self._check(op, [tuple(d) for d in self.descs])
 
     def _check(self, op: str, descs: list[tuple]) -> None:
         """Every rank published what it is doing before arriving: the same thing, or an error.
@@ -296,6 +304,12 @@ class _Segment:
         self.broken = f"an earlier shared-memory collective failed ({why})"
         raise ShmPeerError(f"shared memory: {why}")
 
+    def settle(self, op: str) -> None:
+        """Before overwriting this rank's free space: wait until the ranks read the last all_gather."""
+        if self.reads_pending is not None:
+            self.wait_all(self.reads_pending, op)
+            self.reads_pending = None
+
     # ---- collectives (run on the worker thread, in issue order)
     def all_reduce_at(self, offset: int, numel: int, dtype: torch.dtype, op: str) -> None:
         """Sum the buffer at ``offset`` of every region into all of them (see the protocol note)."""
@@ -315,7 +329,12 @@ class _Segment:
         self.barrier(op)
 
     def all_gather_at(self, layouts: list[list[tuple[int, torch.Tensor]]], op: str) -> None:
-        """Publish ``layouts[rank]`` (offset, tensor) in this region, then read every other rank's."""
+        """Publish ``layouts[rank]`` (offset, tensor) in this region, then read every other rank's.
+
+        One meeting per call: "done reading" is announced without waiting, and awaited only
+        before this rank next overwrites its region -- by then, normally long since true.
+        """
+        self.settle(op)
         for off, t in layouts[self.rank]:
             self.view(self.rank, off, t.numel(), t.dtype).copy_(t.reshape(-1))
         sizes = [t.numel() * t.element_size() for layout in layouts for _, t in layout]
@@ -324,7 +343,7 @@ class _Segment:
             if j != self.rank:
                 for off, t in layout:
                     t.copy_(self.view(j, off, t.numel(), t.dtype).view(t.shape))
-        self.barrier(op)
+        self.reads_pending = self.arrive(op)
 
     def close(self) -> None:
         if self.closed:

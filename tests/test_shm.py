@@ -44,20 +44,26 @@ def _sum_order(rank):
     g.all_reduce(staged).wait()
     gloo = xs[rank].clone()
     dist.all_reduce(gloo)
+    # Mismatched calls (rank 1 passes a shorter tensor) fail on every rank, naming each call.
+    with pytest.raises(dptrain._diagnostics.CollectiveMismatchError) as info:
+        g.all_reduce(in_place[:1000] if rank == 1 else in_place).wait()
     return (
         private,
         torch.equal(in_place, expected),
         torch.equal(staged, expected.view(50, 100)[:, :70]),
         torch.equal(in_place, gloo) if n == 2 else None,
+        str(info.value),
     )
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_sum_is_in_rank_order_on_every_rank_and_equals_gloo_on_two(nprocs):
-    for private, in_place, staged, same_as_gloo in run_ranks(_sum_order, nprocs):
+    for rank, (private, in_place, staged, same_as_gloo, mismatch) in enumerate(run_ranks(_sum_order, nprocs)):
         assert private == (0o600, True, False)  # mode 0600, ours, and the name already unlinked
         assert in_place and staged
         assert same_as_gloo in (True, None)
+        assert mismatch.startswith(f"rank {rank}: test all-reduce #3: the ranks called different"), mismatch
+        assert "rank 0: all_reduce of 20000 bytes at offset 0; rank 1: all_reduce of 4000 bytes at offset 0" in mismatch
 
 
 def _ddp_choices(rank):
