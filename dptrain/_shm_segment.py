@@ -375,6 +375,10 @@ def open_segment(
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return None
+    if str(dist.get_backend(group)) == "nccl":  # CUDA tensors on every rank: nothing to ask the others
+        if want:
+            raise ValueError(f"{what}: shm=True needs CPU tensors, but the process group is NCCL's (GPUs)")
+        return None
     me, n = dist.get_rank(group), dist.get_world_size(group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
     wish = want if want is not None else (False if shm_disabled_by_env() else None)

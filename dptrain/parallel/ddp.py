@@ -258,7 +258,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             grads = [p for _, p in named]
             self._shm = _shm.for_parameters(grads, process_group, shm, "DDP gradient all-reduce")
             self.reducer = Reducer(
-                [p for _, p in named],
+                grads,
                 [n for n, _ in named],
                 process_group,
                 bucket_cap_mb=bucket_cap_mb,
