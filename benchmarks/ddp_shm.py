@@ -7,10 +7,10 @@ step) behind a barrier, so all see the same machine load. Reported: the median s
 optimizer, and the median CPU time per step of the busiest rank (all its threads: a rank
 that spins while it waits shows up here).
 
-    python benchmarks/ddp_shm.py                  # 2 ranks: MLP 8x1024 SGD, ResNet-18 SGD, MLP Adam + ZeRO-1
-    python benchmarks/ddp_shm.py --nprocs 4       # oversubscribed on a 2-core machine
-    python benchmarks/ddp_shm.py --quick          # a smoke run
-    python benchmarks/ddp_shm.py --only mlp-sgd   # one table
+    python -m benchmarks.ddp_shm                  # 2 ranks: MLP 8x1024 SGD, ResNet-18 SGD, MLP Adam + ZeRO-1
+    python -m benchmarks.ddp_shm --nprocs 4       # oversubscribed on a 2-core machine
+    python -m benchmarks.ddp_shm --quick          # a smoke run
+    python -m benchmarks.ddp_shm --only mlp-sgd   # one table (run from the repository root)
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ from dptrain import _rendezvous, _shm, _shm_segment
 from tests import _dist
 from tests._dist import run_ranks
 
+ON = {"DPTRAIN_SHM": "1"}  # these tests are about shared memory, also in a DPTRAIN_SHM=0 run of the suite
+
 
 def _sum_order(rank):
     n = dist.get_world_size()
@@ -58,7 +60,7 @@ def _sum_order(rank):
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_sum_is_in_rank_order_on_every_rank_and_equals_gloo_on_two(nprocs):
-    for rank, (private, in_place, staged, same_as_gloo, mismatch) in enumerate(run_ranks(_sum_order, nprocs)):
+    for rank, (private, in_place, staged, same_as_gloo, mismatch) in enumerate(run_ranks(_sum_order, nprocs, env=ON)):
         assert private == (0o600, True, False)  # mode 0600, ours, and the name already unlinked
         assert in_place and staged
         assert same_as_gloo in (True, None)
@@ -78,7 +80,7 @@ def _ddp_choices(rank):
     inside = all(seg.offset_of(b.flat) is not None for b in auto.reducer.buckets)
     os.environ["DPTRAIN_SHM"] = "0"
     by_env, forced = make(), make(shm=True)
-    del os.environ["DPTRAIN_SHM"]
+    os.environ["DPTRAIN_SHM"] = "1"
     # Another node (as rank 1 reports it): every rank falls back to gloo, or raises if forced.
     real = _shm_segment._node_identity
     _shm_segment._node_identity = (lambda: ("elsewhere",) + real()[1:]) if rank == 1 else real
@@ -115,7 +117,7 @@ def _ddp_choices(rank):
 
 
 def test_ddp_uses_shared_memory_on_one_node_unless_told_or_unable():
-    results = run_ranks(_ddp_choices, 2)
+    results = run_ranks(_ddp_choices, 2, env=ON)
     for used, inside, same, _ in results:
         # auto, shm=False, DPTRAIN_SHM=0, shm=True, another node, /dev/shm full
         assert used == [True, False, False, True, False, False]
@@ -140,7 +142,7 @@ def _idle_wait(rank):
 
 
 def test_a_waiting_rank_sleeps_instead_of_spinning():
-    cpu, wall = run_ranks(_idle_wait, 2)[0]
+    cpu, wall = run_ranks(_idle_wait, 2, env=ON)[0]
     assert wall > 1.0
     assert cpu < 0.3 * wall, f"rank 0 used {cpu:.2f}s of CPU while waiting {wall:.2f}s for rank 1"
 
@@ -151,7 +153,7 @@ def _entry(fn, rank, n, port, conn):
         rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0, num_nodes=1,
         master_addr="127.0.0.1", master_port=port, run_id="shm-test",
     ))
-    os.environ["DPTRAIN_TIMEOUT"] = "30"  # a missed death fails in 30 s, not 10 minutes
+    os.environ.update(ON, DPTRAIN_TIMEOUT="30")  # a missed death fails in 30 s, not 10 minutes
     torch.set_num_threads(1)
     dptrain.init(backend="gloo")
     try:
@@ -279,4 +281,4 @@ def _join_uneven(rank):
 
 
 def test_a_rank_that_joined_early_all_reduces_zeros_through_its_buckets():
-    assert run_ranks(_join_uneven, 2) == [True, True]
+    assert run_ranks(_join_uneven, 2, env=ON) == [True, True]
