@@ -28,6 +28,7 @@ from dptrain.data import DistributedSampler, gather_results, main_process_first,
 from dptrain.parallel.ddp import DDP, DistributedDataParallel
 from dptrain.parallel.fsdp import FSDP, FullyShardedDataParallel
 from dptrain.parallel.dp import DataParallel
+from dptrain.parallel.zero import ZeroRedundancyOptimizer
 from dptrain import checkpoint
 from dptrain.seeding import seed_everything
 from dptrain.train import Trainer, TrainerConfig
@@ -57,6 +58,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "FSDP",
     "DataParallel",
+    "ZeroRedundancyOptimizer",
     "checkpoint",
     "seed_everything",
     "Trainer",

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dptrain import comm, env
+from dptrain import _shm, comm, env
 from dptrain.parallel.reducer import Reducer
 
 __all__ = ["DistributedDataParallel", "DDP"]
@@ -172,6 +172,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             are the same every iteration; learnt in the first iteration. Allows a parameter
             to receive its gradient several times per backward (reentrant activation
             checkpointing). Default False.
+        shm: all-reduce gradients through shared memory (not in PyTorch's DDP). None
+            (default): when every rank of the group is on this node and the module is on the
+            CPU, unless ``DPTRAIN_SHM=0``; False: never (gloo); True: always, raising
+            ValueError where it cannot. Same numbers as gloo (bitwise on two ranks).
 
     Raises:
         ValueError: the ranks built different models (every rank raises, naming the first
@@ -200,6 +204,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        shm: bool | None = None,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -250,14 +255,17 @@ class DistributedDataParallel(nn.Module, Joinable):
             _broadcast_coalesced(
                 [p.detach() for p in module.parameters()] + list(module.buffers()), 0, self.process_group
             )
+            grads = [p for _, p in named]
+            self._shm = _shm.for_parameters(grads, process_group, shm, "DDP gradient all-reduce")
             self.reducer = Reducer(
-                [p for _, p in named],
+                grads,
                 [n for n, _ in named],
                 process_group,
                 bucket_cap_mb=bucket_cap_mb,
                 gradient_as_bucket_view=gradient_as_bucket_view,
                 find_unused_parameters=find_unused_parameters,
                 static_graph=static_graph,
+                shm=self._shm,
             )
         else:
             self._rank = 0

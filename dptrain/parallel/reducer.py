@@ -126,7 +126,9 @@ class _Bucket:
 
     __slots__ = ("index", "indices", "params", "flat", "buffer", "views", "numel")
 
-    def __init__(self, index: int, indices: list[int], params: list[torch.nn.Parameter], status_slot: bool) -> None:
+    def __init__(
+        self, index: int, indices: list[int], params: list[torch.nn.Parameter], status_slot: bool, shm: Any = None
+    ) -> None:
         self.index = index
         self.indices = indices
         self.params = [params[i] for i in indices]
@@ -137,7 +139,10 @@ class _Bucket:
         # Padded to a whole number of 1024 elements: an odd-sized buffer splits into unaligned
         # chunks in gloo's ring all-reduce, which measurably slows the sum.
         padded = -(-(self.numel + 1) // _SLOT_ALIGN) * _SLOT_ALIGN if status_slot else self.numel
-        self.flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        if shm is None:
+            self.flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        else:  # in shared memory: backward writes the gradients where every rank reads them
+            self.flat = shm.zeros(padded, first.dtype, first.device)
         self.buffer = self.flat[: self.numel]
         self.views, offset = [], 0
         for p in self.params:
@@ -198,6 +203,8 @@ class Reducer:
         find_unused_parameters: walk the autograd graph each iteration and mark
             parameters it cannot reach as ready.
         static_graph: learn the used parameters and hook counts in the first iteration.
+        shm: a :class:`dptrain._shm.ShmGroup` over ``process_group``: buckets live in shared
+            memory and are all-reduced there instead of with ``dist.all_reduce``. Default None.
     """
 
     def __init__(
@@ -209,6 +216,7 @@ class Reducer:
         gradient_as_bucket_view: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
+        shm: Any = None,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -227,7 +235,10 @@ class Reducer:
         sizes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]
         assignment = compute_bucket_assignment(sizes, keys, limits)
-        self.buckets = [_Bucket(b, idx, self.params, b == len(assignment) - 1) for b, idx in enumerate(assignment)]
+        self.shm = shm
+        self.buckets = [
+            _Bucket(b, idx, self.params, b == len(assignment) - 1, shm) for b, idx in enumerate(assignment)
+        ]
         self._bucket_of = [0] * len(self.params)
         for bucket in self.buckets:
             for i in bucket.indices:
@@ -425,9 +436,19 @@ class Reducer:
         if self.comm_hook is None:
             if bucket.flat.numel() > bucket.numel:
                 bucket.flat[bucket.numel] = float(self._error is not None)
-            self._works[bucket.index] = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+            self._works[bucket.index] = self._all_reduce(bucket.flat, bucket.index)
         else:
             self._works[bucket.index] = self._run_hook(bucket, bucket.buffer)
+
+    def _all_reduce(self, flat: torch.Tensor, index: int) -> Any:
+        """Sum one bucket across ranks, asynchronously: in shared memory on one node, else gloo/NCCL.
+
+        In shared memory a bucket's bytes meet at the bucket's own place on every rank, also
+        when a joined rank all-reduces zeros (``flat`` is then not the bucket itself).
+        """
+        if self.shm is not None:
+            return self.shm.all_reduce(flat, tag=f"bucket {index}", slot=self.buckets[index].flat)
+        return dist.all_reduce(flat, group=self.process_group, async_op=True)
 
     def _run_hook(self, bucket: _Bucket, buffer: torch.Tensor) -> Any:
         is_last = bucket.index == len(self.buckets) - 1
@@ -562,7 +583,7 @@ class Reducer:
         for bucket in self.buckets:
             zeros = torch.zeros_like(bucket.flat if self.comm_hook is None else bucket.buffer)
             if self.comm_hook is None:
-                works.append(dist.all_reduce(zeros, group=self.process_group, async_op=True))
+                works.append(self._all_reduce(zeros, bucket.index))
             else:
                 works.append(self._run_hook(bucket, zeros))
         for w in works:

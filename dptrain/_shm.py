@@ -1,0 +1,291 @@
+"""Shared-memory collectives for the ranks of one node (CPU tensors).
+
+On one machine every rank's gradients already sit in the same RAM, yet gloo moves them
+through TCP loopback: a copy into the kernel and a copy out, for every byte, both ways.
+:class:`ShmGroup` maps one file of ``/dev/shm`` into every rank of a process group and
+all-reduces in place there, synchronising through counters in the same mapping.
+:class:`dptrain.DistributedDataParallel` uses it automatically when it can (see
+:func:`for_parameters`); ``DPTRAIN_SHM=0`` or ``DistributedDataParallel(shm=False)`` turn
+it off.
+
+[Note: the worker thread]
+Collectives of a group run one at a time on one background thread per group, in the
+order they were issued (the same on every rank, as for any collective); ``all_reduce``
+returns a :class:`Work` at once, so the reducer's buckets are summed while backward goes
+on (torch's copy and add kernels release the GIL). The thread holds the segment, not the
+group: when the group is garbage-collected (or closed) the thread finishes the queued
+collectives, unmaps the segment and exits.
+
+The segment itself -- its privacy and lifetime, the two-barrier protocol, the summation
+order, waiting without spinning, and noticing a dead rank -- is described in
+:mod:`dptrain._shm_segment`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dptrain._shm_segment import (
+    _ALIGN,
+    SEGMENT_PREFIX,
+    ShmPeerError,
+    _aligned,
+    _Segment,
+    open_segment,
+    shm_disabled_by_env,
+)
+
+__all__ = ["ShmGroup", "ShmPeerError", "Work", "for_parameters", "shm_disabled_by_env", "SEGMENT_PREFIX"]
+
+
+# ----------------------------------------------------------------------------- the worker
+class Work:
+    """Handle of an asynchronous shared-memory collective: ``wait()`` returns when it is done.
+
+    ``wait`` raises :class:`ShmPeerError` when the collective failed (a rank that died or
+    did not arrive in time).
+    """
+
+    __slots__ = ("_done", "_error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until done; ``timeout`` is accepted for torch's signature, the group's own
+        collective timeout (``dptrain.init(timeout=)``) applies."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
+def _through_slot(seg: "_Segment", offset: int, slot: torch.Tensor, tensor: torch.Tensor, op: str) -> None:
+    kept = slot.clone()
+    slot.copy_(tensor.reshape(-1))
+    try:
+        seg.all_reduce_at(offset, slot.numel(), slot.dtype, op)
+        tensor.copy_(slot.view(tensor.shape))
+    finally:
+        slot.copy_(kept)
+
+
+class _Runner:
+    """The worker thread of one group: runs collectives one at a time, in issue order (the
+    same on every rank), and unmaps the segment after the last one."""
+
+    def __init__(self, seg: "_Segment") -> None:
+        self.seg = seg
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], None]) -> Work:
+        work = Work()
+        with self.lock:
+            if self.seg.closed:
+                raise RuntimeError(f"{self.seg.what}: the shared-memory group was closed")
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._serve, daemon=True, name="dptrain-shm")
+                self.thread.start()
+            self.jobs.put((fn, work))
+        return work
+
+    def _serve(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                self.seg.close()
+                return
+            fn, work = item
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                work._error = exc
+            work._done.set()
+
+    def stop(self) -> None:
+        with self.lock:
+            if self.thread is None:
+                self.seg.close()
+            elif not self.seg.closed:
+                self.jobs.put(None)  # the worker closes the segment after the queued work
+
+
+class ShmGroup:
+    """Shared-memory all-reduce and all-gather among the ranks of a process group on one node.
+
+    Built collectively by :meth:`create` (every rank of ``group`` must call it); returns
+    None on every rank when the ranks cannot share memory. Collectives run one at a time
+    on a background thread, in the order they were issued, which must be the same on
+    every rank (as for any collective).
+
+    Example:
+        >>> g = ShmGroup.create(None, nbytes=1 << 20, what="example")   # doctest: +SKIP
+        >>> t = g.zeros(1000, torch.float32); t.fill_(dptrain.rank())
+        >>> g.all_reduce(t).wait()                                     # t == 0 + 1 + ...
+    """
+
+    def __init__(self, segment: _Segment, group: Any) -> None:
+        self._seg = segment
+        self.group = group
+        self.rank = segment.rank
+        self.world_size = segment.n
+        self.region_bytes = segment.region
+        self._next = 0  # bump allocator inside this rank's region (same offsets on every rank)
+        self._runner = _Runner(segment)
+        self._finalizer = weakref.finalize(self, self._runner.stop)
+
+    # ---- construction
+    @classmethod
+    def create(
+        cls,
+        group: Any,
+        nbytes: int,
+        *,
+        what: str = "shared-memory collective",
+        want: bool | None = None,
+        devices: Sequence[torch.device] = (torch.device("cpu"),),
+    ) -> "ShmGroup | None":
+        """Map one shared segment with a region of ``nbytes`` per rank; collective.
+
+        Args:
+            group: the process group (None: the whole world).
+            nbytes: bytes each rank may place in its region (:meth:`zeros`, staging).
+            what: the operation, as error messages should name it.
+            want: None (default) -- use shared memory when every rank can and
+                ``DPTRAIN_SHM`` is not 0; False -- do not; True -- require it.
+            devices: where this rank's tensors live; any non-CPU device rules it out.
+
+        Returns:
+            The group, or None on every rank when any rank cannot or will not share memory
+            (with a warning on rank 0 when it was possible in principle but failed).
+
+        Raises:
+            ValueError: ``want=True`` but shared memory cannot be used (names the reason).
+            CollectiveError: a rank failed during construction.
+        """
+        seg = open_segment(group, nbytes, what, want, devices)
+        return None if seg is None else cls(seg, group)
+
+    # ---- memory
+    def zeros(self, numel: int, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
+        """A zero-filled tensor in this rank's region, at the same offset on every rank.
+
+        Every rank must make the same sequence of calls. Falls back to ordinary memory
+        (``torch.zeros``) when the region is full; such a tensor is all-reduced through a
+        staging copy.
+        """
+        nbytes = numel * dtype.itemsize
+        if self._next + nbytes > self.region_bytes:
+            return torch.zeros(numel, dtype=dtype, device=device)
+        t = self._seg.view(self._seg.rank, self._next, numel, dtype)
+        self._next = _aligned(self._next + nbytes)
+        t.zero_()
+        return t
+
+    # ---- collectives
+    def all_reduce(self, tensor: torch.Tensor, tag: str = "", slot: torch.Tensor | None = None) -> Work:
+        """Sum ``tensor`` across the ranks, in place; returns a :class:`Work` to wait on.
+
+        Where the bytes meet must be the same on every rank: ``slot``, a tensor from
+        :meth:`zeros` (default: ``tensor`` itself). When ``tensor`` is the slot, the sum
+        happens in place with no copy; otherwise ``tensor`` passes through the slot, whose
+        content is kept (a rank that joined early all-reduces zeros through its bucket).
+        A tensor in ordinary memory with no slot goes through the free space of the
+        region, piece by piece: every rank must then do the same. Summation order:
+        ``((x0 + x1) + x2) + ...`` in group-rank order, on every rank.
+
+        Raises:
+            ValueError: ``tensor`` is not on the CPU, or ``slot`` differs from it in size or dtype.
+        """
+        if tensor.device.type != "cpu":
+            raise ValueError(f"shared-memory all_reduce needs a CPU tensor, got one on {tensor.device}")
+        seg = self._seg
+        seg.count += 1
+        op = f"{seg.what} #{seg.count}{' (' + tag + ')' if tag else ''}"
+        place = tensor if slot is None else slot
+        offset = seg.offset_of(place)
+        if offset is None:
+            fn = lambda: self._staged_all_reduce(tensor, op)  # noqa: E731
+        elif place is tensor or (place.data_ptr() == tensor.data_ptr() and place.numel() == tensor.numel()):
+            fn = lambda: seg.all_reduce_at(offset, tensor.numel(), tensor.dtype, op)  # noqa: E731
+        elif place.numel() != tensor.numel() or place.dtype != tensor.dtype:
+            raise ValueError(
+                f"{op}: slot holds {place.numel()} {place.dtype} elements, tensor {tensor.numel()} {tensor.dtype}"
+            )
+        else:
+            fn = lambda: _through_slot(seg, offset, place, tensor, op)  # noqa: E731
+        return self._runner.submit(fn)
+
+    def all_gather(self, per_rank: Sequence[Sequence[torch.Tensor]], tag: str = "") -> None:
+        """Copy ``per_rank[j]`` of rank j into ``per_rank[j]`` of every other rank; blocking.
+
+        ``per_rank[self.rank]`` is this rank's contribution; the tensors of the other ranks
+        are overwritten. Every rank passes tensors of the same shapes and dtypes.
+
+        Raises:
+            ValueError: a rank's tensors do not fit in its region.
+            ShmPeerError: a rank died or did not arrive in time.
+        """
+        layouts = []
+        for j, tensors in enumerate(per_rank):
+            offset, layout = self._next, []
+            for t in tensors:
+                layout.append((offset, t))
+                offset = _aligned(offset + t.numel() * t.element_size())
+            if offset > self.region_bytes:
+                raise ValueError(
+                    f"shared-memory all_gather: rank {j}'s tensors need {offset} bytes but the region holds "
+                    f"{self.region_bytes}; create the ShmGroup with a larger nbytes"
+                )
+            layouts.append(layout)
+        seg = self._seg
+        seg.count += 1
+        op = f"{seg.what} #{seg.count}{' (' + tag + ')' if tag else ''}"
+        self._runner.submit(lambda: seg.all_gather_at(layouts, op)).wait()
+
+    def _staged_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        seg, room = self._seg, (self.region_bytes - self._next) // tensor.element_size()
+        if room < 1:
+            raise ValueError(f"{op}: the shared-memory region has no free space for a staged all-reduce")
+        flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
+        seg.settle(op)  # the staging area is where all_gather publishes
+        for start in range(0, flat.numel(), room):
+            piece = flat[start : start + room]
+            stage = seg.view(seg.rank, self._next, piece.numel(), tensor.dtype)
+            stage.copy_(piece)
+            seg.all_reduce_at(self._next, piece.numel(), tensor.dtype, op)
+            piece.copy_(stage)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view(tensor.shape))
+
+    def close(self) -> None:
+        """Stop the worker and unmap once queued collectives are done (the memory itself stays
+        while tensors from :meth:`zeros` live). Also runs when the group is garbage-collected."""
+        self._finalizer()
+
+
+# --------------------------------------------------------------------------- for DDP
+def for_parameters(params: Sequence[torch.Tensor], group: Any, want: bool | None, what: str) -> ShmGroup | None:
+    """The group for a reducer whose buckets hold ``params``' gradients; collective.
+
+    Each rank's region holds every bucket (the reducer allocates them with
+    :meth:`ShmGroup.zeros`) plus room for padding and a staging area for other
+    all-reduces of ordinary tensors, processed in pieces (the reducer itself never needs it).
+    """
+    buckets = sum(_aligned(p.numel() * p.element_size()) for p in params)
+    slack = 2048 * 8 + _ALIGN * (len(params) + 1)  # a bucket's status slot and 1024-element padding
+    staging = min(buckets, 256 * 1024)
+    devices = sorted({p.device for p in params}, key=str)
+    return ShmGroup.create(group, buckets + slack + staging, what=what, want=want, devices=devices)
+

@@ -1,0 +1,507 @@
+"""The shared segment behind :class:`dptrain._shm.ShmGroup`: the file, its mapping, and the
+barriers and collectives that run on it.
+
+[Note: the segment]
+One file per group, ``/dev/shm/dptrain-<128-bit random token>``, created by the group's
+first rank with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 (no other user can open
+it), its pages reserved with ``posix_fallocate`` so that a full ``/dev/shm`` is an error
+at construction and never a SIGBUS in the middle of training. The token travels through
+the process group, so only the job's ranks learn the name. Once every rank has mapped the
+file, its name is unlinked: from then on nothing in ``/dev/shm`` refers to it and the
+kernel frees the memory when the last mapping goes -- on a normal exit, an exception, a
+SIGTERM, or a SIGKILL from the launcher alike, with no cleanup code that could be skipped.
+Only during construction (a few milliseconds) does the name exist; a rank that fails
+there removes it, and only the death of *every* rank inside that window could leave it.
+
+Layout: a header page with one cache line per rank -- its 32-bit arrival counter and a
+descriptor of the collective it entered, which every rank compares after the first
+barrier, so that mismatched collectives fail naming each rank's call instead of adding
+unrelated bytes -- then one region of equal size per rank. Buffers are placed at the same offset in
+every region, so "rank j's copy of buffer b" is ``region[j] + offset(b)``. The reducer
+allocates its gradient buckets in this rank's region (:meth:`ShmGroup.zeros`): backward
+writes the gradients straight into shared memory, and the all-reduce needs no copy in and
+no copy out.
+
+[Note: the all-reduce protocol]
+For a buffer at offset ``o`` of ``n`` elements, split into one chunk per rank (64-byte
+aligned so two ranks never write the same cache line):
+
+1. barrier A -- every rank's buffer holds its contribution;
+2. rank r sums chunk r over all regions, in rank order ``((x0 + x1) + x2) + ...``, and
+   writes the sum into chunk r of *every* region;
+3. barrier B -- every region holds the complete result.
+
+Each rank reads and writes one buffer's worth of bytes, and two barriers suffice: a rank
+writes into region j only between A and B, when rank j does not touch its buffer, and the
+next time rank j writes its buffer (the next backward) comes after it passed B. The sum
+of two ranks is ``x0 + x1`` in fp32, the same bits as gloo's (addition is commutative);
+with more ranks the order above is fixed and identical on every rank and in every run,
+since each element is summed once and copied to all.
+
+[Note: waiting]
+A barrier stores this rank's incremented counter and wakes its waiters (``FUTEX_WAKE``),
+then waits for every other counter to reach the same value: a few reads, then
+``FUTEX_WAIT`` (through ``ctypes``; it releases the GIL) in slices of
+``_WAIT_SLICE_S``, so a waiting rank sleeps in the kernel and burns no core. After each
+slice it checks the deadline (dptrain's collective timeout) and whether the missing rank
+still lives: each rank holds a POSIX record lock on one byte of the segment, which the
+kernel drops when the process dies, so a dead rank is noticed within a slice even across
+PID namespaces, and the error names it. A POSIX lock is owned by the process, not
+inherited by ``fork``, so a DataLoader worker does not keep a dead rank "alive".
+Counters are written with plain aligned 32-bit stores: on x86-64 (TSO) stores become
+visible in program order (glibc fences its non-temporal copies); elsewhere a system call
+that runs a full memory barrier in the kernel is issued before publishing and after
+observing a counter (:func:`_fence`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import platform
+import secrets
+import socket
+import sys
+import time
+import zlib
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dptrain import _diagnostics, comm, env
+
+__all__ = ["ShmPeerError", "open_segment", "shm_disabled_by_env", "SEGMENT_PREFIX"]
+
+SEGMENT_PREFIX = "dptrain-"
+_SHM_DIR = "/dev/shm"
+_ALIGN = 64  # bytes: chunk and buffer alignment (a cache line)
+_PAGE = 4096
+_WAIT_SLICE_S = 0.1  # longest sleep between deadline / liveness checks
+_SPIN_READS = 32  # counter reads before sleeping in the kernel
+
+# ---------------------------------------------------------------------------------- futex
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98, "ppc64le": 221, "s390x": 238}
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _load_syscall() -> tuple[Any, int | None]:
+    if not sys.platform.startswith("linux"):
+        return None, None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syscall
+    except (OSError, AttributeError):
+        return None, None
+    fn.restype = ctypes.c_long
+    return fn, _SYS_FUTEX.get(platform.machine().lower())
+
+
+_syscall, _SYS_futex = _load_syscall()
+_TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_fence_word = ctypes.c_uint32(0)
+
+
+def _futex_wait(addr: int, expected: int, timeout_s: float) -> None:
+    """Sleep while the 32-bit word at ``addr`` equals ``expected`` (at most ``timeout_s``)."""
+    if _SYS_futex is None:
+        time.sleep(min(timeout_s, 0.001))  # no futex here: a short sleep, still no spinning
+        return
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+    # EAGAIN (the word changed), ETIMEDOUT and EINTR all mean "look again".
+    _syscall(_SYS_futex, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected), ctypes.byref(ts), None, 0)
+
+
+def _futex_wake(addr: int) -> None:
+    if _SYS_futex is not None:
+        _syscall(_SYS_futex, ctypes.c_void_p(addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+def _fence() -> None:
+    """A full memory barrier where stores may be reordered (not x86-64): see [Note: waiting]."""
+    if not _TSO:
+        _futex_wake(ctypes.addressof(_fence_word))
+
+
+class ShmPeerError(RuntimeError):
+    """A peer died or did not arrive in a shared-memory collective.
+
+    Raised by :meth:`Work.wait`; callers re-raise it through
+    :func:`dptrain._diagnostics.explain_failure`, which adds this rank, the operation and
+    what the heartbeats say about the missing rank, as for every other collective.
+    """
+
+
+# ------------------------------------------------------------------------------ eligibility
+def shm_disabled_by_env() -> bool:
+    """True when ``DPTRAIN_SHM`` is set to 0 / false / off / no."""
+    return os.environ.get("DPTRAIN_SHM", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _node_identity() -> tuple:
+    """What ranks on one node share: the kernel (boot id), the host name and the network
+    namespace (network namespaces are how this project's tests emulate several nodes)."""
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = None
+    return (socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), netns, os.getuid())
+
+
+def _local_obstacle(devices: Sequence[torch.device]) -> str | None:
+    """Why this rank cannot take part, or None."""
+    if not sys.platform.startswith("linux"):
+        return f"the platform is {sys.platform}, not Linux"
+    if not os.path.isdir(_SHM_DIR) or not os.access(_SHM_DIR, os.W_OK):
+        return f"{_SHM_DIR} is missing or not writable"
+    bad = sorted({str(d) for d in devices if torch.device(d).type != "cpu"})
+    if bad:
+        return f"the tensors are on {', '.join(bad)}, not on the CPU"
+    return None
+
+
+class _Segment:
+    """The mapping, the counters and the protocol. Owned by one ShmGroup and its worker."""
+
+    def __init__(self, fd: int, nbytes: int, header: int, region: int, rank: int, ranks: list[int], what: str) -> None:
+        self.fd, self.header, self.region = fd, header, region
+        self.rank, self.ranks, self.n, self.what = rank, ranks, len(ranks), what
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self.mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        # Per rank, one cache line: the arrival counter, then what it is about to do (see _check).
+        self.counters = [ctypes.c_uint32.from_buffer(self.mm, _ALIGN * j) for j in range(self.n)]
+        self.descs = [(ctypes.c_uint64 * 3).from_buffer(self.mm, _ALIGN * j + 8) for j in range(self.n)]
+        self.addrs = [base + _ALIGN * j for j in range(self.n)]
+        self.base = base
+        self.seq = 0  # barriers passed by this rank
+        self.reads_pending: int | None = None  # all_gather: the barrier meaning "all have read"
+        self.timeout_s = env._timeout().total_seconds()
+        self.broken: str | None = None
+        self.count = 0  # collectives issued, for messages
+        self.closed = False
+        self.path = ""
+
+    # ---- addresses
+    def view(self, j: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        start = self.header + j * self.region + offset
+        return self.bytes[start : start + numel * dtype.itemsize].view(dtype)
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """Offset of ``t`` inside this rank's region, or None when it lives elsewhere."""
+        lo = self.base + self.header + self.rank * self.region
+        p = t.data_ptr()
+        if t.is_contiguous() and lo <= p and p + t.numel() * t.element_size() <= lo + self.region:
+            return p - lo
+        return None
+
+    # ---- liveness
+    def lock_own_byte(self) -> None:
+        fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, self.rank, os.SEEK_SET)
+
+    def alive(self, j: int) -> bool:
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, j, os.SEEK_SET)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EAGAIN):
+                return True  # rank j still holds its lock
+            raise
+        fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, j, os.SEEK_SET)
+        return False
+
+    # ---- barrier
+    def barrier(self, op: str, desc: tuple[int, int, int] | None = None) -> None:
+        """Arrive, then wait for every rank; with ``desc``, also check they all do the same."""
+        if desc is not None:
+            self.descs[self.rank][:] = desc
+        self.wait_all(self.arrive(op), op)
+        if desc is not None:
+            self._check(op, [tuple(d) for d in self.descs])
+
+    def arrive(self, op: str) -> int:
+        """Publish that this rank reached the next barrier; returns its number."""
+        if self.broken:
+            raise ShmPeerError(f"{op} not started: {self.broken}")
+        self.seq = (self.seq + 1) & 0xFFFFFFFF
+        _fence()
+        self.counters[self.rank].value = self.seq
+        _futex_wake(self.addrs[self.rank])
+        return self.seq
+
+    def wait_all(self, target: int, op: str) -> None:
+        """Wait until every other rank arrived at barrier ``target``."""
+        deadline = time.monotonic() + self.timeout_s
+        for j in range(self.n):
+            if j != self.rank:
+                self._wait_for(j, target, deadline, op)
+        _fence()
+
+    def _check(self, op: str, descs: list[tuple]) -> None:
+        """Every rank published what it is doing before arriving: the same thing, or an error.
+
+        Mismatched collectives would otherwise silently add unrelated bytes; this costs a
+        few reads per collective, so it is always on (unlike DPTRAIN_DEBUG's store check).
+        """
+        if all(d == descs[0] for d in descs):
+            return
+        names = {1: "all_reduce", 2: "all_gather"}
+
+        def fmt(d: tuple) -> str:
+            kind, a, b = d
+            if kind & 0xFF == 1:
+                return f"all_reduce of {b} bytes at offset {a}"
+            return f"{names.get(kind & 0xFF, 'unknown')} of {a} tensors, {b} bytes"
+
+        listing = "; ".join(f"rank {r}: {fmt(d)}" for r, d in zip(self.ranks, descs))
+        self.broken = "an earlier shared-memory collective differed between ranks"
+        raise _diagnostics.CollectiveMismatchError(
+            f"rank {self.ranks[self.rank]}: {op}: the ranks called different shared-memory collectives -- "
+            f"{listing}. Every rank must issue the same collectives in the same order with the same sizes"
+        )
+
+    def _wait_for(self, j: int, target: int, deadline: float, op: str) -> None:
+        counter = self.counters[j]
+
+        def arrived() -> bool:  # counters wrap around: compare modulo 2**32
+            return ((counter.value - target) & 0xFFFFFFFF) < 0x80000000
+
+        for _ in range(_SPIN_READS):
+            if arrived():
+                return
+        while True:
+            seen = counter.value
+            if arrived():
+                return
+            now = time.monotonic()
+            if now >= deadline or not self.alive(j):
+                if arrived():  # it arrived, then finished and exited, just now
+                    return
+                self._fail(j, op, timed_out=now >= deadline)
+            _futex_wait(self.addrs[j], seen, min(_WAIT_SLICE_S, max(deadline - now, 0.001)))
+
+    def _fail(self, j: int, op: str, timed_out: bool) -> None:
+        who = self.ranks[j]
+        if timed_out:
+            why = f"rank {who} did not arrive within the {self.timeout_s:.0f}s timeout (its process is alive)"
+        else:
+            why = f"rank {who} did not arrive: its process exited"
+        self.broken = f"an earlier shared-memory collective failed ({why})"
+        raise ShmPeerError(f"shared memory: {why}")
+
+    def settle(self, op: str) -> None:
+        """Before overwriting this rank's free space: wait until the ranks read the last all_gather."""
+        if self.reads_pending is not None:
+            self.wait_all(self.reads_pending, op)
+            self.reads_pending = None
+
+    # ---- collectives (run on the worker thread, in issue order)
+    def all_reduce_at(self, offset: int, numel: int, dtype: torch.dtype, op: str) -> None:
+        """Sum the buffer at ``offset`` of every region into all of them (see the protocol note)."""
+        self.barrier(op, (1 | zlib.crc32(str(dtype).encode()) << 8, offset, numel * dtype.itemsize))
+        per = -(-numel // self.n)
+        per = -(-per * dtype.itemsize // _ALIGN) * _ALIGN // dtype.itemsize
+        lo, hi = min(self.rank * per, numel), min((self.rank + 1) * per, numel)
+        if hi > lo:
+            off = offset + lo * dtype.itemsize
+            parts = [self.view(j, off, hi - lo, dtype) for j in range(self.n)]
+            acc = parts[0]
+            torch.add(parts[0], parts[1], out=acc)
+            for part in parts[2:]:
+                acc.add_(part)
+            for part in parts[1:]:
+                part.copy_(acc)
+        self.barrier(op)
+
+    def all_gather_at(self, layouts: list[list[tuple[int, torch.Tensor]]], op: str) -> None:
+        """Publish ``layouts[rank]`` (offset, tensor) in this region, then read every other rank's.
+
+        One meeting per call: "done reading" is announced without waiting, and awaited only
+        before this rank next overwrites its region -- by then, normally long since true.
+        """
+        self.settle(op)
+        for off, t in layouts[self.rank]:
+            self.view(self.rank, off, t.numel(), t.dtype).copy_(t.reshape(-1))
+        sizes = [t.numel() * t.element_size() for layout in layouts for _, t in layout]
+        self.barrier(op, (2, len(sizes), sum(sizes)))
+        for j, layout in enumerate(layouts):
+            if j != self.rank:
+                for off, t in layout:
+                    t.copy_(self.view(j, off, t.numel(), t.dtype).view(t.shape))
+        self.reads_pending = self.arrive(op)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.counters, self.descs = [], []
+        self.bytes = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # tensors still view it (a reducer's buckets): the mapping goes with them
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def _aligned(nbytes: int, to: int = _ALIGN) -> int:
+    return -(-nbytes // to) * to
+
+
+def open_segment(
+    group: Any, nbytes: int, what: str, want: bool | None, devices: Sequence[torch.device]
+) -> "_Segment | None":
+    """Agree with the other ranks on whether to share memory, and map the segment if so.
+
+    Collective; the arguments are those of :meth:`dptrain._shm.ShmGroup.create`. Returns
+    None on every rank when any rank cannot or will not take part.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+        return None
+    if str(dist.get_backend(group)) == "nccl":  # CUDA tensors on every rank: nothing to ask the others
+        if want:
+            raise ValueError(f"{what}: shm=True needs CPU tensors, but the process group is NCCL's (GPUs)")
+        return None
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    wish = want if want is not None else (False if shm_disabled_by_env() else None)
+    mine = {
+        "wish": wish,
+        "obstacle": None if wish is False else _local_obstacle(devices),
+        "node": _node_identity(),
+        "token": secrets.token_hex(16) if me == 0 else None,
+        "nbytes": int(nbytes),
+    }
+    infos = comm.all_gather_object(mine, group=group)
+    reason = _group_obstacle(infos, ranks)
+    if reason is not None:
+        if any(i["wish"] is True for i in infos):
+            raise ValueError(
+                f"rank {ranks[me]}: {what}: shared memory was required (shm=True) but {reason}; "
+                "pass shm=None to fall back to gloo automatically"
+            )
+        return None
+    header = _aligned(_ALIGN * n, _PAGE)
+    region = _aligned(max(i["nbytes"] for i in infos), _PAGE)
+    path = os.path.join(_SHM_DIR, SEGMENT_PREFIX + infos[0]["token"])
+    seg, reason = _attach(group, me, ranks, path, header + n * region, header, region, what)
+    if seg is None:
+        if any(i["wish"] is True for i in infos):
+            raise ValueError(f"rank {ranks[me]}: {what}: shared memory was required (shm=True) but {reason}")
+        env._warn_once_main(f"{what}: shared memory is off, falling back to gloo: {reason}")
+        return None
+    return seg
+
+
+def _group_obstacle(infos: list[dict], ranks: list[int]) -> str | None:
+    """Why the ranks cannot share memory (the first reason found), or None."""
+    for r, info in zip(ranks, infos):
+        if info["wish"] is False:
+            return f"rank {r} turned it off (DPTRAIN_SHM=0 or shm=False)"
+        if info["obstacle"]:
+            return f"on rank {r} {info['obstacle']}"
+    for r, info in zip(ranks, infos):
+        if info["node"] != infos[0]["node"]:
+            return f"rank {r} is on another node than rank {ranks[0]} ({info['node'][0]} vs {infos[0]['node'][0]})"
+    return None
+
+
+def _attach(group: Any, me: int, ranks: list[int], path: str, nbytes: int, header: int, region: int, what: str):
+    """Create (first rank), open (the others), map and lock the segment; unlink its name.
+
+    Three exchanges through the process group: the token (done by the caller), "created",
+    "attached". Any failure on any rank makes every rank return None (or raise, when a
+    peer died), and whichever ranks get that far remove the name.
+    """
+    fd, seg, problem, problems = -1, None, None, []
+    try:
+        if me == 0:
+            fd, problem = _create(path, nbytes)
+        if any(comm.all_gather_object(problem, group=group)):
+            problem = problem or "did not attach: the first rank could not create the segment"
+        elif me != 0:
+            fd, problem = _open_existing(path, nbytes)
+        if problem is None:
+            try:
+                seg = _Segment(fd, nbytes, header, region, me, ranks, what)
+                seg.path = path  # for messages and tests; the name is gone after construction
+                seg.lock_own_byte()
+            except (OSError, ValueError) as exc:
+                problem = f"cannot map {path}: {exc}"
+        problems = comm.all_gather_object(problem, group=group)
+    finally:
+        _unlink(path)  # every rank tries: the name must not outlive construction
+        if not problems or any(problems):
+            if seg is not None:
+                seg.close()
+            elif fd >= 0:
+                os.close(fd)
+    failed = [(r, p) for r, p in zip(ranks, problems) if p]
+    if failed:
+        return None, f"on rank {failed[0][0]} {failed[0][1]}"
+    return seg, None
+
+
+def _create(path: str, nbytes: int) -> tuple[int, str | None]:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        return -1, f"cannot create {path}: {exc.strerror}"
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask: this user only
+        os.posix_fallocate(fd, 0, nbytes)  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS later
+    except OSError as exc:
+        os.close(fd)
+        _unlink(path)
+        free = _free_bytes()
+        return -1, (
+            f"cannot reserve {nbytes / 2**20:.1f} MiB in {_SHM_DIR} ({exc.strerror}; {free / 2**20:.1f} MiB free); "
+            "enlarge it (e.g. `docker run --shm-size=2g`) or set DPTRAIN_SHM=0"
+        )
+    return fd, None
+
+
+def _open_existing(path: str, nbytes: int) -> tuple[int, str | None]:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        return -1, f"cannot open {path} ({exc.strerror}): {_SHM_DIR} is not shared with the first rank"
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or st.st_size != nbytes or (st.st_mode & 0o077):
+        os.close(fd)
+        return -1, f"{path} is not the segment the first rank created (owner, size or mode differ)"
+    return fd, None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _free_bytes() -> int:
+    try:
+        st = os.statvfs(_SHM_DIR)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return 0
+
+

@@ -1,0 +1,284 @@
+"""The shared-memory all-reduce: numerics, the DDP hook-up, fallbacks, and failures.
+
+Rank functions check what a user relies on: the sum order (bitwise equal to gloo on two
+ranks, rank order on more), that ``DistributedDataParallel`` picks shared memory by itself
+on one node and gloo when told or when it cannot, that waiting burns no CPU, that the
+segment is private and never left in ``/dev/shm``, and that a rank killed in the middle of
+an all-reduce is named by the others instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import stat
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dptrain
+from dptrain import _rendezvous, _shm, _shm_segment
+from tests import _dist
+from tests._dist import run_ranks
+
+ON = {"DPTRAIN_SHM": "1"}  # these tests are about shared memory, also in a DPTRAIN_SHM=0 run of the suite
+
+
+def _sum_order(rank):
+    n = dist.get_world_size()
+    g = _shm.ShmGroup.create(None, 24 * 1024, what="test all-reduce")  # room for 1136 staged floats
+    st = os.fstat(g._seg.fd)
+    private = (stat.S_IMODE(st.st_mode), st.st_uid == os.getuid(), os.path.exists(g._seg.path))
+    # Values where fp32 addition is not associative, so a different order shows.
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(5000, generator=gen) * 10.0 ** (3 * r) for r in range(n)]
+    expected = xs[0] + xs[1]
+    for x in xs[2:]:
+        expected = expected + x
+    in_place = g.zeros(5000, torch.float32)
+    in_place.copy_(xs[rank])
+    g.all_reduce(in_place).wait()
+    staged = xs[rank].clone().view(50, 100)[:, :70]  # not in the segment, not contiguous, > free room
+    g.all_reduce(staged).wait()
+    gloo = xs[rank].clone()
+    dist.all_reduce(gloo)
+    # Mismatched calls (rank 1 passes a shorter tensor) fail on every rank, naming each call.
+    with pytest.raises(dptrain._diagnostics.CollectiveMismatchError) as info:
+        g.all_reduce(in_place[:1000] if rank == 1 else in_place).wait()
+    return (
+        private,
+        torch.equal(in_place, expected),
+        torch.equal(staged, expected.view(50, 100)[:, :70]),
+        torch.equal(in_place, gloo) if n == 2 else None,
+        str(info.value),
+    )
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_sum_is_in_rank_order_on_every_rank_and_equals_gloo_on_two(nprocs):
+    for rank, (private, in_place, staged, same_as_gloo, mismatch) in enumerate(run_ranks(_sum_order, nprocs, env=ON)):
+        assert private == (0o600, True, False)  # mode 0600, ours, and the name already unlinked
+        assert in_place and staged
+        assert same_as_gloo in (True, None)
+        assert mismatch.startswith(f"rank {rank}: test all-reduce #3: the ranks called different"), mismatch
+        assert "rank 0: all_reduce of 20000 bytes at offset 0; rank 1: all_reduce of 4000 bytes at offset 0" in mismatch
+
+
+def _ddp_choices(rank):
+    from torch import nn
+
+    def make(**kw):
+        torch.manual_seed(0)
+        return dptrain.DDP(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)), **kw)
+
+    auto, off = make(), make(shm=False)
+    seg = auto.reducer.shm._seg
+    inside = all(seg.offset_of(b.flat) is not None for b in auto.reducer.buckets)
+    os.environ["DPTRAIN_SHM"] = "0"
+    by_env, forced = make(), make(shm=True)
+    os.environ["DPTRAIN_SHM"] = "1"
+    # Another node (as rank 1 reports it): every rank falls back to gloo, or raises if forced.
+    real = _shm_segment._node_identity
+    _shm_segment._node_identity = (lambda: ("elsewhere",) + real()[1:]) if rank == 1 else real
+    other_node = make()
+    with pytest.raises(ValueError, match="rank 1 is on another node than rank 0"):
+        make(shm=True)
+    _shm_segment._node_identity = real
+    # A /dev/shm too small for the buckets: gloo, and a warning (from rank 0) that says how to fix it.
+    fallocate = os.posix_fallocate
+    os.posix_fallocate = lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        no_room = make()
+    os.posix_fallocate = fallocate
+    warned = [str(w.message) for w in caught if "shared memory is off" in str(w.message)]
+    # The models train the same either way, bitwise, against PyTorch's DDP too.
+    torch.manual_seed(0)
+    ref = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)))
+    models = [auto, off, by_env, forced, other_node, no_room, ref]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    for step in range(3):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    params = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+    return (
+        [m.reducer.shm is not None for m in models[:6]],
+        inside,
+        [torch.equal(p, params[-1]) for p in params],
+        warned,
+    )
+
+
+def test_ddp_uses_shared_memory_on_one_node_unless_told_or_unable():
+    results = run_ranks(_ddp_choices, 2, env=ON)
+    for used, inside, same, _ in results:
+        # auto, shm=False, DPTRAIN_SHM=0, shm=True, another node, /dev/shm full
+        assert used == [True, False, False, True, False, False]
+        assert inside  # the buckets themselves live in the segment: no copy in or out
+        assert all(same)
+    warned = results[0][3]
+    assert len(warned) == 1 and "cannot reserve" in warned[0] and "--shm-size" in warned[0], warned
+    assert results[1][3] == []  # warnings come from rank 0 only
+
+
+def _idle_wait(rank):
+    g = _shm.ShmGroup.create(None, 1 << 12, what="test all-reduce")
+    t = g.zeros(16, torch.float32)
+    g.all_reduce(t).wait()
+    if rank == 1:
+        time.sleep(1.5)
+        g.all_reduce(t).wait()
+        return None
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    g.all_reduce(t).wait()
+    return time.process_time() - cpu0, time.monotonic() - wall0
+
+
+def test_a_waiting_rank_sleeps_instead_of_spinning():
+    cpu, wall = run_ranks(_idle_wait, 2, env=ON)[0]
+    assert wall > 1.0
+    assert cpu < 0.3 * wall, f"rank 0 used {cpu:.2f}s of CPU while waiting {wall:.2f}s for rank 1"
+
+
+# ---------------------------------------------------------------- a rank that dies
+def _entry(fn, rank, n, port, conn):
+    os.environ.update(_rendezvous.rank_environ(
+        rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0, num_nodes=1,
+        master_addr="127.0.0.1", master_port=port, run_id="shm-test",
+    ))
+    os.environ.update(ON, DPTRAIN_TIMEOUT="30")  # a missed death fails in 30 s, not 10 minutes
+    torch.set_num_threads(1)
+    dptrain.init(backend="gloo")
+    try:
+        conn.send(("ok", fn(rank)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _run_with_a_victim(fn, n, timeout=60.0):
+    """Like run_ranks, but a rank's death does not stop the others: the survivors report."""
+    server = _rendezvous._StoreServer("127.0.0.1", 0, n, timeout_s=timeout)
+    procs, conns = [], []
+    try:
+        for rank in range(n):
+            parent, child = _dist._ctx.Pipe(duplex=False)
+            p = _dist._ctx.Process(target=_entry, args=(fn, rank, n, server.port, child))
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+        deadline = time.monotonic() + timeout
+        out = []
+        for p, c in zip(procs, conns):
+            try:
+                if c.poll(max(0.0, deadline - time.monotonic())):
+                    out.append(c.recv())
+                    continue
+            except EOFError:  # it died without a word
+                p.join(5)
+            out.append(("no answer", p.exitcode))
+        return out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        server.close()
+
+
+def _die_in_the_middle(rank):
+    from torch import nn
+
+    model = dptrain.DDP(nn.Linear(64, 64))
+    seg = model.reducer.shm._seg
+    model(torch.randn(4, 64)).sum().backward()  # one healthy step
+    if rank == 1:
+        arrive = seg.barrier
+
+        def arrive_then_die(*args):  # pass the first barrier of the all-reduce, then vanish
+            arrive(*args)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        seg.barrier = arrive_then_die
+    t0 = time.monotonic()
+    try:
+        model(torch.randn(4, 64)).sum().backward()
+    except dptrain.comm.CollectiveError as exc:
+        return str(exc), time.monotonic() - t0, seg.path
+    return "no error", 0.0, seg.path
+
+
+def test_a_rank_killed_mid_all_reduce_is_named_and_leaves_no_segment():
+    (status, (msg, waited, path)), victim = _run_with_a_victim(_die_in_the_middle, 2)
+    assert status == "ok" and victim == ("no answer", -signal.SIGKILL)
+    assert msg.startswith("rank 0: DDP gradient all-reduce (bucket 0)"), msg
+    assert "rank 1 did not arrive: its process exited" in msg, msg
+    assert waited < 10, "noticed through the liveness lock, not the 30 s timeout"
+    assert os.path.basename(path).startswith(_shm.SEGMENT_PREFIX)
+    assert not os.path.exists(path)
+    assert not [f for f in os.listdir("/dev/shm") if f in os.path.basename(path)]
+
+
+def _die_while_attaching(rank):
+    created = []
+    make = _shm_segment._create
+
+    def create_and_remember(path, nbytes):
+        created.append(path)
+        return make(path, nbytes)
+
+    _shm_segment._create = create_and_remember
+    if rank == 1:
+        _shm_segment._open_existing = lambda path, nbytes: os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        _shm.ShmGroup.create(None, 1 << 20, what="test all-reduce")
+    except Exception as exc:  # noqa: BLE001 - the peer's death surfaces as gloo's error
+        return type(exc).__name__, created[0], os.path.exists(created[0])
+    return "no error", created[0], os.path.exists(created[0])
+
+
+def test_a_rank_killed_during_construction_leaves_no_segment():
+    (status, (error, path, exists)), victim = _run_with_a_victim(_die_while_attaching, 2)
+    assert status == "ok" and victim[0] == "no answer"
+    assert error != "no error" and path.startswith("/dev/shm/" + _shm.SEGMENT_PREFIX)
+    assert not exists and not os.path.exists(path)
+
+
+def test_group_obstacle_names_the_rank_and_the_reason():
+    node = ("host-a", "boot", 1, 0)
+    ok = {"wish": None, "obstacle": None, "node": node}
+    assert _shm_segment._group_obstacle([ok, ok], [0, 1]) is None
+    assert "rank 3 turned it off" in _shm_segment._group_obstacle([ok, dict(ok, wish=False)], [0, 3])
+    assert "on rank 1 the tensors are on cuda:0" in _shm_segment._group_obstacle(
+        [ok, dict(ok, obstacle="the tensors are on cuda:0, not on the CPU")], [0, 1])
+    assert "(host-b vs host-a)" in _shm_segment._group_obstacle([ok, dict(ok, node=("host-b",) + node[1:])], [0, 1])
+
+
+def _join_uneven(rank):
+    from torch import nn
+
+    def make(cls):
+        torch.manual_seed(0)
+        return cls(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 32)), bucket_cap_mb=0.01)
+
+    out = []
+    for model in (make(dptrain.DDP), make(nn.parallel.DistributedDataParallel)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with model.join():
+            for step in range(2 if rank == 0 else 5):  # rank 0 joins early and shadows with zeros
+                opt.zero_grad()
+                model(torch.randn(8, 32, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+                opt.step()
+        out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return torch.equal(out[0], out[1])
+
+
+def test_a_rank_that_joined_early_all_reduces_zeros_through_its_buckets():
+    assert run_ranks(_join_uneven, 2, env=ON) == [True, True]
