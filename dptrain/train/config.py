@@ -8,7 +8,7 @@ from typing import Any
 __all__ = ["TrainerConfig", "STRATEGIES", "NAN_POLICIES"]
 
 #: Names accepted by ``TrainerConfig(strategy=...)``.
-STRATEGIES = ("ddp", "fsdp", "torch-ddp", "none")
+STRATEGIES = ("ddp", "fsdp", "torch-ddp", "zero", "none")
 #: What the Trainer does when a loss or gradient norm is not finite.
 NAN_POLICIES = ("stop", "skip", "off")
 
@@ -18,9 +18,13 @@ class TrainerConfig:
     """Settings of a :class:`dptrain.Trainer`; validated on construction.
 
     Attributes:
-        strategy: how the model is replicated: ``"ddp"`` (dptrain's DDP), ``"fsdp"``
-            (dptrain's FSDP), ``"torch-ddp"`` (PyTorch's DDP, for comparison) or ``"none"``.
+        strategy: how the model is replicated: ``"ddp"`` (dptrain's DDP), ``"zero"`` (DDP with a
+            ZeRO-1 optimizer: 1/N of the optimizer state per rank), ``"fsdp"`` (dptrain's
+            FSDP), ``"torch-ddp"`` (PyTorch's DDP, for comparison) or ``"none"``.
             Default None: ``"ddp"`` when the world has more than one process, else ``"none"``.
+        zero_stage: 1 shards the optimizer state (ZeRO-1) under DDP: the same as
+            ``strategy="zero"``. Passing a :class:`dptrain.ZeroRedundancyOptimizer` does it
+            too. Default 0.
         batch_size: per-rank batch size, used only when datasets (not loaders) are given.
         eval_batch_size: per-rank batch size for dev/test datasets. Default: ``batch_size``.
         num_workers: DataLoader workers when the Trainer builds the loaders. Default 0.
@@ -84,6 +88,7 @@ class TrainerConfig:
     """
 
     strategy: str | None = None
+    zero_stage: int = 0
     batch_size: int | None = None
     eval_batch_size: int | None = None
     num_workers: int = 0
@@ -118,6 +123,11 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise ValueError(f"TrainerConfig(strategy={self.strategy!r}) is not one of {list(STRATEGIES)} (or None for automatic)")
+        if self.zero_stage not in (0, 1):
+            raise ValueError(
+                f"TrainerConfig(zero_stage={self.zero_stage!r}) must be 0 or 1 (stage 2 and 3 shard gradients and "
+                f"parameters too: use strategy='fsdp')"
+            )
         for name in ("batch_size", "eval_batch_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

@@ -140,6 +140,39 @@ class _TorchDDPStrategy(_DDPStrategy):
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=self._device_ids(), **self.kwargs)
 
 
+class _ZeroStrategy(_DDPStrategy):
+    """Our DDP with a ZeRO-1 optimizer: each rank keeps and steps 1/N of the optimizer state.
+
+    Gradients are averaged whole (as with DDP), so clipping by the global norm is DDP's. The
+    optimizer state is consolidated on rank 0 for a checkpoint, in the unsharded optimizer's
+    format, and so resumes on any number of ranks.
+    """
+
+    name = "zero"
+
+    def build_optimizer(self, optimizer: Any, wrapped: nn.Module) -> torch.optim.Optimizer:
+        from dptrain.parallel.zero import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer
+        if isinstance(optimizer, torch.optim.Optimizer):
+            # Same parameters, groups and settings, sharded; the given optimizer is never stepped.
+            groups = [dict(g) for g in optimizer.param_groups]
+            return ZeroRedundancyOptimizer(groups, type(optimizer), **optimizer.defaults)
+        built = super().build_optimizer(optimizer, wrapped)
+        if isinstance(built, ZeroRedundancyOptimizer):
+            return built
+        return ZeroRedundancyOptimizer([dict(g) for g in built.param_groups], type(built), **built.defaults)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        optimizer.consolidate_state_dict(to=0)  # collective
+        return optimizer.state_dict() if comm_rank(optimizer) == 0 else {}
+
+
+def comm_rank(optimizer: Any) -> int:
+    return getattr(optimizer, "rank", 0)
+
+
 class _FSDPStrategy(Strategy):
     name = "fsdp"
     shards_optimizer = True
@@ -175,14 +208,29 @@ class _FSDPStrategy(Strategy):
 
 
 _STRATEGY_TYPES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Strategy, _DDPStrategy, _TorchDDPStrategy, _FSDPStrategy)
+    cls.name: cls for cls in (Strategy, _DDPStrategy, _TorchDDPStrategy, _ZeroStrategy, _FSDPStrategy)
 }
 
 
-def make_strategy(name: str | None, world_size: int, device: torch.device, config) -> Strategy:
-    """The strategy for ``TrainerConfig(strategy=name)``; None picks DDP on several ranks."""
-    name = name or ("ddp" if world_size > 1 else "none")
-    kwargs = config.fsdp_kwargs if name == "fsdp" else config.ddp_kwargs if name in ("ddp", "torch-ddp") else {}
+def make_strategy(name: str | None, world_size: int, device: torch.device, config, optimizer: Any = None) -> Strategy:
+    """The strategy for ``TrainerConfig(strategy=name)``.
+
+    None picks DDP on several ranks (plain on one); ``zero_stage=1``, or a
+    ``ZeroRedundancyOptimizer`` given as the optimizer, turns DDP into ``"zero"``.
+    """
+    from dptrain.parallel.zero import ZeroRedundancyOptimizer
+
+    wants_zero = getattr(config, "zero_stage", 0) == 1 or isinstance(optimizer, ZeroRedundancyOptimizer)
+    if name is None:
+        name = ("zero" if wants_zero else "ddp") if world_size > 1 else "none"
+    elif name == "ddp" and wants_zero:
+        name = "zero"
+    elif wants_zero and name not in ("zero", "none"):
+        raise ValueError(
+            f"TrainerConfig(strategy={name!r}) cannot shard the optimizer ZeRO-1 style; use strategy='zero' "
+            f"(or 'ddp' with zero_stage=1){' -- FSDP shards it already' if name == 'fsdp' else ''}"
+        )
+    kwargs = config.fsdp_kwargs if name == "fsdp" else config.ddp_kwargs if name in ("ddp", "torch-ddp", "zero") else {}
     return _STRATEGY_TYPES[name](device, kwargs)
 
 

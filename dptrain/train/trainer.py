@@ -142,7 +142,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.metric_fn = metric_fn
         self.hparams = dict(hparams or {})
-        self.strategy = make_strategy(cfg.strategy, self.world.world_size, self.device, cfg)
+        self.strategy = make_strategy(cfg.strategy, self.world.world_size, self.device, cfg, optimizer)
 
         self.train_loader = self._loader(train_data, "train")
         self.dev_loader = self._loader(dev_data, "eval") if dev_data is not None else None
