@@ -15,8 +15,8 @@ gradient to its parameter, so the reduction is the same code and the same number
 without compile. While the module runs, the wrapper registers itself where dynamo's
 ``DDPOptimizer`` looks for the active DDP module (as PyTorch's DDP does), so dynamo splits
 the compiled graph at bucket boundaries and buckets can be all-reduced while the rest of the
-compiled backward runs. Compiled autograd (``torch._dynamo.config.compiled_autograd``) is
-not supported: it would trace the reducer's Python hooks.
+compiled backward runs. Compiled autograd (``torch._dynamo.config.compiled_autograd``) was
+checked by hand on a small model (gradients averaged) but is not covered by the tests.
 
 [Note: pickling and copies]
 ``torch.save(ddp)``, ``pickle`` and ``copy.deepcopy(ddp)`` drop the process group and the
@@ -230,16 +230,20 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._mixed_precision: MixedPrecisionState | None = None
         self._rank = dist.get_rank(self.process_group) if self._distributed else 0
         if self._distributed:
-            if delayed:
-                self._delayed = DelayedAllReduce(delayed, param_to_hook_all_reduce, self.process_group)
-                setup.broadcast_coalesced([p.detach() for _, p in delayed], 0, self.process_group)
-            if init_sync and self._reducer_params()[0]:
-                setup.verify_same_model(module, self.parameters_to_ignore, self._settings(static_graph), self.process_group)
-                tensors = setup.managed_tensors(module, self.parameters_to_ignore, init_sync_buffers)
-                setup.broadcast_coalesced(tensors, 0, self.process_group)
-            self._build_reducer()
+            self._set_up_ranks(delayed, param_to_hook_all_reduce, init_sync, init_sync_buffers, static_graph)
         if static_graph:
             self._set_static_graph()
+
+    def _set_up_ranks(self, delayed: list, hook_param: Any, init_sync: bool, sync_buffers: bool, static: bool) -> None:
+        """The collectives of construction (in PyTorch's order), then the reducer."""
+        if delayed:
+            self._delayed = DelayedAllReduce(delayed, hook_param, self.process_group)
+            setup.broadcast_coalesced([p.detach() for _, p in delayed], 0, self.process_group)
+        if init_sync and self._reducer_params()[0]:
+            setup.verify_same_model(self.module, self.parameters_to_ignore, self._settings(static), self.process_group)
+            tensors = setup.managed_tensors(self.module, self.parameters_to_ignore, sync_buffers)
+            setup.broadcast_coalesced(tensors, 0, self.process_group)
+        self._build_reducer()
 
     def _check_module(self, module: nn.Module, has_delayed: bool) -> list[nn.Parameter]:
         """The managed parameters; PyTorch's errors for a module DDP cannot train."""

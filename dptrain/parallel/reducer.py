@@ -61,8 +61,6 @@ from dptrain.parallel._rebuild import BucketRebuild
 
 __all__ = ["Reducer", "GradBucket", "compute_bucket_assignment", "bucket_size_limits", "DEFAULT_FIRST_BUCKET_BYTES"]
 
-_CREATE_GRAPH_WARNED = False
-
 
 class Reducer:
     """Buckets, per-parameter hooks, async all-reduce and the write-back after backward.
@@ -320,8 +318,7 @@ class Reducer:
             if self._static_remaining[i] > 0:
                 return
             if self._static_remaining[i] < 0:
-                expected = self._static_counts[i] if self._static_counts is not None else 0
-                raise RuntimeError(errors.static_graph_changed(self.names[i], i, expected))
+                raise RuntimeError(errors.static_graph_changed(self.names[i], i, self._static_counts[i]))
         if self._ready[i]:
             raise RuntimeError(errors.gradient_twice(self.names[i], i))
         if self._rebuild.recording:
@@ -341,8 +338,8 @@ class Reducer:
                 if not self._skips(bucket):
                     if self.batched_grad_copy:
                         self._flush_deferred(bucket)
-                    if self._rebuild.recording and bucket.index == len(self.buckets) - 1:
-                        self._offer_order(bucket)
+                    if bucket.index == len(self.buckets) - 1:
+                        self._cast_vote(bucket)
                     self._launch(bucket)
                 self._next_bucket += 1
 
@@ -353,13 +350,16 @@ class Reducer:
         unused = set(self._unused_now)
         return all(i in unused for i in bucket.indices)
 
-    def _offer_order(self, last: _Bucket) -> None:
-        # Every gradient is in when the last bucket launches: vote on whether this rank's
-        # order gives other buckets (see [Note: bucket rebuild]).
-        order = self._rebuild.complete(self._unused_now)
-        if order is not None and last.flat.numel() > last.numel:
-            differs = compute_bucket_assignment(self._sizes, self._keys, self.bucket_limits, order) != self.assignment
-            last.flat[last.numel + 1] = float(differs)
+    def _cast_vote(self, last: _Bucket) -> None:
+        # Every gradient is in when the last bucket launches: in the recording backward, vote
+        # on whether this rank's order gives other buckets (see [Note: bucket rebuild]).
+        differs = False
+        if self._rebuild.recording:
+            order = self._rebuild.complete(self._unused_now)
+            if order is not None:
+                assignment = compute_bucket_assignment(self._sizes, self._keys, self.bucket_limits, order)
+                differs = assignment != self.assignment
+        last.flat[last.numel + 1] = float(differs)
 
     def _divisor(self) -> int:
         if self._div is None:
@@ -409,17 +409,14 @@ class Reducer:
     def _copy_in_graph_grad(self, g: torch.Tensor, view: torch.Tensor, divide: bool) -> None:
         # backward(create_graph=True): the gradient carries a graph. Its value is averaged like
         # any other, without recording the copy (PyTorch's behaviour: the higher-order graph
-        # stops at the all-reduce, which is not differentiated).
-        global _CREATE_GRAPH_WARNED
-        if not _CREATE_GRAPH_WARNED:
-            _CREATE_GRAPH_WARNED = True
-            warnings.warn(
-                "DistributedDataParallel with backward(create_graph=True): gradients are averaged across ranks, "
-                "but the averaged .grad is not differentiable through the all-reduce (as in PyTorch's DDP): a "
-                "loss built from p.grad gets no higher-order gradient through the other ranks. For gradient "
-                "penalties use torch.autograd.grad(..., create_graph=True), which DDP does not intercept.",
-                stacklevel=2,
-            )
+        # stops at the all-reduce, which is not differentiated). Python warns once per place.
+        warnings.warn(
+            "DistributedDataParallel with backward(create_graph=True): gradients are averaged across ranks, but "
+            "the averaged .grad is not differentiable through the all-reduce (as in PyTorch's DDP): a loss built "
+            "from p.grad gets no higher-order gradient through the other ranks. For gradient penalties use "
+            "torch.autograd.grad(..., create_graph=True), which DDP does not intercept.",
+            stacklevel=2,
+        )
         with torch.no_grad():
             if divide:
                 torch.mul(g, self._inv, out=view)
