@@ -14,10 +14,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _get_device_index
 
 from dptrain import comm
 
-__all__ = ["DDPSetupError"]
+__all__ = ["DDPSetupError", "output_device_index"]
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # PyTorch's broadcast_bucket_size
 IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"  # PyTorch's name: models marked for torch work here
@@ -153,7 +154,7 @@ def managed_tensors(module: nn.Module, ignore: set[str], buffers: bool) -> list[
 
 
 def check_devices(module_params: list[nn.Parameter], device_ids: Any, output_device: Any) -> tuple[str, list | None]:
-    """PyTorch's device rules; returns ``(device_type, device_ids as torch.device list or None)``."""
+    """PyTorch's device rules; returns ``(device_type, device indices or None)``."""
     if device_ids is not None and len(device_ids) > 1:
         raise ValueError(
             f"device_ids can only be None or contain a single element, got {list(device_ids)}: one DDP process "
@@ -176,7 +177,14 @@ def check_devices(module_params: list[nn.Parameter], device_ids: Any, output_dev
                 "multi-device modules leave device_ids and output_device as None."
             )
         return device_type, None
-    return device_type, [torch.device(device_type, d) if isinstance(d, int) else torch.device(d) for d in device_ids]
+    return device_type, [_get_device_index(d, True) for d in device_ids]  # indices, as PyTorch keeps them
+
+
+def output_device_index(device_ids: list[int] | None, output_device: Any) -> int | None:
+    """PyTorch's ``output_device``: an index, ``device_ids[0]`` by default, None for CPU modules."""
+    if not device_ids:
+        return None
+    return _get_device_index(device_ids[0] if output_device is None else output_device, True)
 
 
 def _describe(module: nn.Module, ignore: set[str]) -> list[tuple]:

@@ -31,61 +31,23 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptrain.parallel import _ddp_setup as setup
 from dptrain.parallel._ddp_delayed import DelayedAllReduce
 from dptrain.parallel._ddp_mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
 from dptrain.parallel._ddp_setup import DDPSetupError
+from dptrain.parallel._sink import attach_sink
 from dptrain.parallel.reducer import Reducer, bucket_size_limits
 
 __all__ = ["DistributedDataParallel", "DDP", "DDPSetupError"]
 
 _TorchDDP = nn.parallel.DistributedDataParallel
-
-
-class _BackwardSink(torch.autograd.Function):
-    """Identity on the forward outputs whose backward runs first and tells the reducer.
-
-    [Note: why a sink] The reducer's end-of-backward callback must be queued on the *outer*
-    backward. Queued from the first gradient hook, it would land on a nested backward when
-    that hook fires inside reentrant activation checkpointing, and run too early. The
-    reducer's anchor is an input so that the reducer can ask the engine whether this
-    backward accumulates gradients (see the reducer's [Note: which backward is ours]).
-    """
-
-    @staticmethod
-    def forward(ctx, reducer_ref, anchor, *tensors):
-        ctx.set_materialize_grads(False)
-        ctx.reducer_ref = reducer_ref
-        # Clones, not views: users may modify outputs in place (PyTorch's sink clones too).
-        return tuple(t.clone() for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ref = ctx.reducer_ref
-        reducer = ref() if isinstance(ref, weakref.ref) else ref  # a traced weakref arrives resolved
-        if reducer is not None:
-            reducer.backward_started(from_sink=True)
-        return (None, None, *grads)
-
-
-def _attach_sink(output: Any, reducer: Reducer) -> Any:
-    leaves, spec = tree_flatten(output)
-    where = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not where:
-        return output
-    sunk = _BackwardSink.apply(weakref.ref(reducer), reducer._anchor, *(leaves[i] for i in where))
-    for i, t in zip(where, sunk):
-        leaves[i] = t
-    return tree_unflatten(leaves, spec)
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -208,8 +170,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.parameters_to_ignore = setup.ignored_names(module) | {n for n, _ in delayed}
         managed = self._check_module(module, bool(delayed))
         self.device_type, self.device_ids = setup.check_devices(managed, device_ids, output_device)
-        self.output_device = self.device_ids[0] if self.device_ids and output_device is None else output_device
-        self.device = self.device_ids[0] if self.device_ids else managed[0].device
+        self.output_device = setup.output_device_index(self.device_ids, output_device)
+        self.device = managed[0].device
         self.forward_sync_buffers, init_sync_buffers = setup.resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -355,8 +317,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             self._all_reduce_requires_sync(joined=False)
         if self.device_ids:
-            inputs = setup.move_to_device(inputs, self.device_ids[0])
-            kwargs = setup.move_to_device(kwargs, self.device_ids[0])
+            target = torch.device(self.device_type, self.device_ids[0])
+            inputs, kwargs = setup.move_to_device(inputs, target), setup.move_to_device(kwargs, target)
         if self._mixed_precision is not None:
             inputs, kwargs = self._mixed_precision.before_forward(inputs, kwargs)
         # Where dynamo's DDPOptimizer finds the DDP module whose buckets split compiled graphs.
@@ -378,7 +340,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             reducer.prepare_for_backward(output if self.find_unused_parameters and not self.static_graph else None)
-            output = _attach_sink(output, reducer)
+            output = attach_sink(output, reducer)
         else:
             self.require_forward_param_sync = False
         return output
@@ -389,6 +351,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _managed_buffers(self) -> list[torch.Tensor]:
         # Looked up every time: modules may reassign their buffers.
+        if not self.parameters_to_ignore:
+            return list(self.module.buffers())
         return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
 
     def _will_sync_buffers(self) -> bool:

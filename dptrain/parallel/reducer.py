@@ -29,11 +29,8 @@ at its next forward, not only the one that holds the unused parameter. The secon
 bucket rebuild's vote.
 
 [Note: which backward is ours]
-A backward only counts when it accumulates into ``.grad``: ``torch.autograd.grad`` through
-the model's outputs (gradient penalties) fires no accumulate-grad hook, and must neither
-start nor finish a reduction. The sink on the forward outputs asks the autograd engine
-whether this backward will run an accumulate-grad node of ours (a private anchor tensor,
-or a parameter for ``backward(inputs=...)``) before it starts the reducer.
+Only a backward that accumulates into ``.grad`` starts a reduction, not
+``torch.autograd.grad`` through the outputs (see :mod:`dptrain.parallel._sink`).
 """
 
 from __future__ import annotations
@@ -58,6 +55,7 @@ from dptrain.parallel._buckets import (
     reached_params,
 )
 from dptrain.parallel._rebuild import BucketRebuild
+from dptrain.parallel._sink import new_anchor
 
 __all__ = ["Reducer", "GradBucket", "compute_bucket_assignment", "bucket_size_limits", "DEFAULT_FIRST_BUCKET_BYTES"]
 
@@ -152,10 +150,8 @@ class Reducer:
         self._static_remaining: list[int] = []
         self._hook_counts: list[int] = []
 
-        # See [Note: which backward is ours]. The accumulate-grad node is held so that the
-        # anchor keeps one node for its lifetime (autograd only keeps a weak reference).
-        self._anchor = torch.zeros((), device=self.params[0].device, requires_grad=True)
-        self._anchor_acc = self._anchor.view_as(self._anchor).grad_fn.next_functions[0][0]
+        # See [Note: which backward is ours]: the sink's input that tells a training backward.
+        self.anchor, self.anchor_node = new_anchor(self.params[0].device)
 
         self_ref = weakref.ref(self)
         self._handles = [
@@ -266,22 +262,7 @@ class Reducer:
         return self.find_unused_parameters or self._static_first_iteration
 
     # ------------------------------------------------------------------ backward side
-    def _backward_accumulates(self) -> bool:
-        """Whether the running backward accumulates into our parameters' ``.grad``."""
-        try:
-            if torch._C._will_engine_execute_node(self._anchor_acc):
-                return True  # a plain loss.backward(): every node of the graph runs
-        except RuntimeError:
-            pass
-        for p in self.params:  # backward(inputs=...) or autograd.grad(...)
-            try:
-                if torch._C._will_engine_execute_node(p.view_as(p).grad_fn.next_functions[0][0]):
-                    return True
-            except RuntimeError:  # autograd.grad(..., inputs=params): captured, not accumulated
-                pass
-        return False
-
-    def backward_started(self, from_sink: bool = False) -> None:
+    def backward_started(self) -> None:
         """Start of a synced backward: queue the end-of-backward callback, mark unused params ready.
 
         Called by the sink that DistributedDataParallel puts on the forward outputs, so the
@@ -290,8 +271,6 @@ class Reducer:
         """
         if not self._expect_hooks or self._first_hook_seen:
             return
-        if from_sink and not self._backward_accumulates():
-            return  # torch.autograd.grad through the outputs: not a training backward
         self._first_hook_seen = True
         Variable._execution_engine.queue_callback(self._finalize_backward)
         if self._static_first_iteration:
