@@ -172,7 +172,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_type, self.device_ids = setup.check_devices(managed, device_ids, output_device)
         self.output_device = setup.output_device_index(self.device_ids, output_device)
         self.device = managed[0].device
-        self.forward_sync_buffers, init_sync_buffers = setup.resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
+        sync = setup.resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.forward_sync_buffers, init_sync_buffers = sync
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
@@ -256,6 +257,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _settings(self, static_graph: bool) -> dict:
         # Constructor arguments that shape the collectives: every rank must pass the same.
         mp = self.mixed_precision
+        mp_dtypes = None if mp is None else [str(mp.param_dtype), str(mp.reduce_dtype), str(mp.buffer_dtype)]
         return {
             "bucket_cap_mb": self.bucket_cap_mb,
             "bucket_cap_mb_list": self.bucket_cap_mb_list,
@@ -263,7 +265,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             "static_graph": static_graph,
             "forward_sync_buffers": self.forward_sync_buffers,
             "skip_all_reduce_unused_params": self.skip_all_reduce_unused_params,
-            "mixed_precision": None if mp is None else (str(mp.param_dtype), str(mp.reduce_dtype), str(mp.buffer_dtype)),
+            "mixed_precision": mp_dtypes,
         }
 
     def _reducer_params(self) -> tuple[list[nn.Parameter], list[str]]:
@@ -390,7 +392,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.forward_sync_buffers = value
 
     @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Sequence[str]) -> None:
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, params_and_buffers_to_ignore: Sequence[str]
+    ) -> None:
         """Exclude parameters and buffers, by fully qualified name, from DDP's synchronisation.
 
         Call on the plain model before wrapping it. Ignored parameters get no gradient
@@ -399,7 +403,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         PyTorch's, so models prepared for either DDP work with both.
 
         Example:
-            >>> DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["head.bias", "bn.running_mean"])
+            >>> ignore = ["head.bias", "bn.running_mean"]
+            >>> DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
             >>> ddp = DistributedDataParallel(model)
         """
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore

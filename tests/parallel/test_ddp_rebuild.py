@@ -117,19 +117,27 @@ def test_rebuild_while_a_rank_has_joined_matches_torch():
 
 
 def _order_matches(rank):
+    import torch.distributed as dist
+
     torch.manual_seed(0)
     ddp = dptrain.DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)), bucket_cap_mb=0.005)
     before = ddp.reducer.assignment
-    for step in range(2):
-        x, y = _batch(rank, step)
-        F.cross_entropy(ddp(x), y).backward()
-    return before == ddp.reducer.assignment, ddp.reducer.has_rebuilt_buckets, ddp.reducer._rebuild.agreed
+    broadcasts = []
+    real_broadcast = dist.broadcast
+    dist.broadcast = lambda *a, **k: broadcasts.append(a) or real_broadcast(*a, **k)
+    try:
+        for step in range(3):
+            x, y = _batch(rank, step)
+            F.cross_entropy(ddp(x), y).backward()
+    finally:
+        dist.broadcast = real_broadcast
+    return before == ddp.reducer.assignment, ddp.reducer.has_rebuilt_buckets, len(broadcasts)
 
 
 def test_no_rebuild_and_no_broadcast_when_the_order_matches():
     """A model used in definition order keeps its first buckets; the ranks agree without a broadcast."""
-    for same, decided, pending in run_ranks(_order_matches, 2):
-        assert same and decided and pending is None
+    for same, decided, broadcasts in run_ranks(_order_matches, 2):
+        assert same and decided and broadcasts == 0
 
 
 def _rebuild_with_hooks(rank):
@@ -138,11 +146,11 @@ def _rebuild_with_hooks(rank):
     from dptrain.parallel import comm_hooks
 
     out = {}
-    for cls in (dptrain.DDP, TorchDDP):  # with a hook there is no status slot: always broadcast
+    for name, cls in (("ours", dptrain.DDP), ("torch", TorchDDP)):  # with a hook: always broadcast
         torch.manual_seed(1 + rank)
         ddp = cls(Reordered(), bucket_cap_mb=0.05)
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        out[cls.__name__ + (" ours" if cls is dptrain.DDP else " torch")] = (_train(ddp, rank, 3)[-1], snapshot(ddp))
+        out[name] = (_train(ddp, rank, 3)[-1], snapshot(ddp))
     # PowerSGD compressing from the first step: its per-bucket state survives the rebuild.
     torch.manual_seed(1 + rank)
     ddp = dptrain.DDP(Reordered(), bucket_cap_mb=0.05)
@@ -154,7 +162,7 @@ def _rebuild_with_hooks(rank):
 
 def test_rebuild_with_communication_hooks():
     for out in run_ranks(_rebuild_with_hooks, 2):
-        (ours_layout, ours), (torch_layout, theirs) = out["DistributedDataParallel ours"], out["DistributedDataParallel torch"]
+        (ours_layout, ours), (torch_layout, theirs) = out["ours"], out["torch"]
         assert ours_layout == torch_layout
         for k in ours:
             assert torch.equal(ours[k], theirs[k]), k
