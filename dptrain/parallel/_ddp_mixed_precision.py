@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from dptrain.parallel._ddp_setup import map_tensors
+
 __all__ = ["MixedPrecisionState", "check_config"]
 
 
@@ -38,18 +40,6 @@ def check_config(config: Any) -> None:
                 f"torch.nn.parallel.distributed._MixedPrecision(param_dtype=torch.bfloat16); got {config!r} "
                 f"with {name}={value!r}"
             )
-
-
-def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if torch.is_floating_point(obj) and obj.dtype != dtype else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_cast_floats(x, dtype) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(x, dtype) for x in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _cast_floats(v, dtype)) for k, v in obj.items())
-    return obj
 
 
 class MixedPrecisionState:
@@ -85,7 +75,8 @@ class MixedPrecisionState:
                     # accumulating in param_dtype, as in PyTorch.
                     p.grad = p.grad.to(dtype)
         self.low = True
-        return _cast_floats(inputs, dtype), _cast_floats(kwargs, dtype)
+        cast = lambda t: t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t  # noqa: E731
+        return map_tensors((inputs, kwargs), cast)
 
     def restore(self, params: Any = None) -> None:
         """Put the full-precision masters back (all parameters, or ``params``), grads upcast."""

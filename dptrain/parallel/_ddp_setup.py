@@ -18,7 +18,7 @@ from torch._utils import _get_device_index
 
 from dptrain import comm
 
-__all__ = ["DDPSetupError", "output_device_index"]
+__all__ = ["DDPSetupError", "output_device_index", "map_tensors"]
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # PyTorch's broadcast_bucket_size
 IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"  # PyTorch's name: models marked for torch work here
@@ -247,14 +247,14 @@ def verify_same_model(module: nn.Module, ignore: set[str], settings: dict, group
         )
 
 
-def move_to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor inside (lists, tuples, namedtuples, dicts) moved to ``device``."""
+def map_tensors(obj: Any, fn: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor inside (lists, tuples, namedtuples, dicts)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(move_to_device(x, device) for x in obj))
+        return type(obj)(*(map_tensors(x, fn) for x in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(move_to_device(x, device) for x in obj)
+        return type(obj)(map_tensors(x, fn) for x in obj)
     if isinstance(obj, dict):
-        return type(obj)((k, move_to_device(v, device)) for k, v in obj.items())
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
     return obj

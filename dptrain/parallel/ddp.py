@@ -320,7 +320,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._all_reduce_requires_sync(joined=False)
         if self.device_ids:
             target = torch.device(self.device_type, self.device_ids[0])
-            inputs, kwargs = setup.move_to_device(inputs, target), setup.move_to_device(kwargs, target)
+            inputs, kwargs = setup.map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
         if self._mixed_precision is not None:
             inputs, kwargs = self._mixed_precision.before_forward(inputs, kwargs)
         # Where dynamo's DDPOptimizer finds the DDP module whose buckets split compiled graphs.
