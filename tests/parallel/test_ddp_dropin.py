@@ -340,6 +340,12 @@ def _errors(rank):
             # PyTorch's C++ reducer is left mid-backward; let the pending all-reduces finish
             # on both ranks before the process group goes away.
             dist.barrier()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for name, cls in BOTH:
+        out[("group_and_mesh", name)] = _error(lambda: cls(nn.Linear(3, 3), process_group=dist.group.WORLD,
+                                                           device_mesh=mesh))
     mismatch = nn.Linear(3, 3 + rank)
     out[("mismatch", "ours")] = _error(lambda: dptrain.DDP(mismatch))
     return out
@@ -349,7 +355,7 @@ def test_errors_have_torchs_types_and_say_what_is_wrong():
     from dptrain.parallel.ddp import DDPSetupError
 
     for rank, out in enumerate(run_ranks(_errors, 2)):
-        for kind in ("frozen", "unused", "static"):
+        for kind in ("frozen", "unused", "static", "group_and_mesh"):
             assert out[(kind, "torch")] is not None and out[(kind, "ours")] is not None, kind
         assert out[("frozen", "ours")][0] == DDPSetupError.__name__
         assert issubclass(DDPSetupError, RuntimeError) and issubclass(DDPSetupError, ValueError)
