@@ -193,6 +193,12 @@ class ShmGroup:
         t.zero_()
         return t
 
+    def release_all(self) -> None:
+        """Forget every tensor :meth:`zeros` handed out: the next calls reuse the region from its
+        start. Only when none of them is used any more, and on every rank at the same point
+        (the reducer does it when it rebuilds its buckets)."""
+        self._next = 0
+
     # ---- collectives
     def all_reduce(self, tensor: torch.Tensor, tag: str = "", slot: torch.Tensor | None = None) -> Work:
         """Sum ``tensor`` across the ranks, in place; returns a :class:`Work` to wait on.

@@ -209,6 +209,11 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         return _allreduce_mean_future(group, buffer)
 
     index = bucket.index()
+    # DDP rebuilds its buckets once, after its first iterations: state kept for a bucket of
+    # the old layout does not fit the new one, so it starts afresh.
+    if index in state.error_dict and state.error_dict[index].shape != buffer.shape:
+        del state.error_dict[index]
+        state.q_memory_dict.pop(index, None)
     if state.use_error_feedback:
         if index in state.error_dict:
             buffer.add_(state.error_dict[index])
@@ -227,7 +232,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     state.total_numel_before_compression += sum(m.numel() for m in matrices)
     state.total_numel_after_compression += sum(min(rank, *m.shape) * sum(m.shape) for m in matrices)
 
-    if index not in state.q_memory_dict or not state.warm_start:
+    fits = [q.shape[0] for q in state.q_memory_dict.get(index, [])] == [m.shape[1] for m in matrices]
+    if index not in state.q_memory_dict or not state.warm_start or not fits:
         qs = []
         for m in matrices:
             q = torch.randn(m.shape[1], min(rank, *m.shape), generator=state._generator).to(m.device, m.dtype)

@@ -1,186 +1,133 @@
 """DistributedDataParallel: one model replica per rank, gradients averaged by our reducer.
 
-A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (same constructor, same
-numerics): construction checks that every rank built the same model and copies rank 0's
-parameters and buffers to all; each forward broadcasts buffers (BatchNorm statistics) from
-rank 0; backward averages gradients through :class:`dptrain.parallel.reducer.Reducer`.
+A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (PyTorch 2.13's constructor,
+same numerics): construction checks that every rank built the same model and copies rank
+0's parameters and buffers to all; each forward broadcasts buffers (BatchNorm statistics)
+from rank 0; backward averages gradients through :class:`dptrain.parallel.reducer.Reducer`.
+
+[Note: torch.compile]
+``torch.compile(dptrain.DDP(model))`` compiles the wrapped module and leaves the wrapper's
+own work eager: the steps before and after the module call (buffer broadcast, join, arming
+the reducer, the backward sink) are ``torch.compiler.disable``-d, which costs two graph
+breaks per forward and nothing else. The reducer's hooks are post-accumulate-grad hooks on
+the parameters: they run in the eager autograd engine when the compiled backward hands each
+gradient to its parameter, so the reduction is the same code and the same numbers as
+without compile. While the module runs, the wrapper registers itself where dynamo's
+``DDPOptimizer`` looks for the active DDP module (as PyTorch's DDP does), so dynamo splits
+the compiled graph at bucket boundaries and buckets can be all-reduced while the rest of the
+compiled backward runs. Compiled autograd (``torch._dynamo.config.compiled_autograd``) was
+checked by hand on a small model (gradients averaged) but is not covered by the tests.
+
+[Note: pickling and copies]
+``torch.save(ddp)``, ``pickle`` and ``copy.deepcopy(ddp)`` drop the process group and the
+reducer and build a fresh reducer when loaded, on the default group (PyTorch's rule; a DDP
+on another group refuses to pickle). No collective runs then, so one rank alone may copy
+its model (an EMA or a frozen teacher); a copy that trains reduces over the same group, so
+every rank must train it. Unlike PyTorch, a registered communication hook is registered on
+the copy too. Without an initialized process group the loaded module is a plain wrapper.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dptrain import _shm, comm, env
-from dptrain.parallel.reducer import Reducer
+from dptrain import _shm
+from dptrain.parallel import _ddp_setup as setup
+from dptrain.parallel._ddp_delayed import DelayedAllReduce
+from dptrain.parallel._ddp_mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
+from dptrain.parallel._ddp_setup import DDPSetupError
+from dptrain.parallel._sink import attach_sink
+from dptrain.parallel.reducer import Reducer, bucket_size_limits
 
-__all__ = ["DistributedDataParallel", "DDP"]
+__all__ = ["DistributedDataParallel", "DDP", "DDPSetupError"]
 
-_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # PyTorch's broadcast_bucket_size
-
-
-def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Any) -> None:
-    """Broadcast ``tensors`` from ``src`` with one flat broadcast per dtype/device (and 250 MiB)."""
-    chunks: dict[tuple, list[list[torch.Tensor]]] = {}
-    sizes: dict[tuple, int] = {}
-    for t in tensors:
-        key = (t.dtype, t.device)
-        nbytes = t.numel() * t.element_size()
-        if key not in chunks or sizes[key] + nbytes > _BROADCAST_BUCKET_BYTES:
-            chunks.setdefault(key, []).append([])
-            sizes[key] = 0
-        chunks[key][-1].append(t)
-        sizes[key] += nbytes
-    me = dist.get_rank(group) if group is not None else dist.get_rank()
-    group_src = src
-    global_src = dist.get_global_rank(group, src) if group is not None else src
-    with torch.no_grad():
-        for chunk_list in chunks.values():
-            for chunk in chunk_list:
-                flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-                dist.broadcast(flat, src=global_src, group=group)
-                if me != group_src:
-                    offset = 0
-                    for t in chunk:
-                        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                        offset += t.numel()
-
-
-def _describe(module: nn.Module) -> list[tuple]:
-    """What must be identical on every rank: parameters and buffers, by name, shape and dtype."""
-    desc = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-    desc += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
-    return desc
-
-
-def _first_mismatch(descs: list[list[tuple]]) -> str | None:
-    """A message naming the first difference between rank 0 and the lowest differing rank."""
-    ref = descs[0]
-    for r, desc in enumerate(descs[1:], start=1):
-        if desc == ref:
-            continue
-        for a, b in zip(desc, ref):
-            if a == b:
-                continue
-            if a[0] == "setting" and b[0] == "setting":
-                return f"rank {r} passed {a[1]}={a[2]!r} but rank 0 passed {b[1]}={b[2]!r}"
-            if (a[0], a[1]) != (b[0], b[1]):
-                return (
-                    f"rank {r} holds {a[0]} '{a[1]}' where rank 0 holds {b[0]} '{b[1]}' (same position "
-                    "in named_parameters()/named_buffers())"
-                )
-            what = []
-            if a[2] != b[2]:
-                what.append(f"shape {a[2]} but rank 0 holds {b[2]}")
-            if a[3] != b[3]:
-                what.append(f"dtype {a[3]} but rank 0 holds {b[3]}")
-            if a[4] != b[4]:
-                what.append(f"requires_grad={a[4]} but rank 0 has requires_grad={b[4]}")
-            return f"rank {r} holds {a[0]} '{a[1]}' of " + "; ".join(what)
-        longer, shorter, who = (desc, ref, r) if len(desc) > len(ref) else (ref, desc, 0)
-        extra = longer[len(shorter)]
-        other = 0 if who == r else r
-        return (
-            f"rank {r} has {len(desc)} parameters+buffers but rank 0 has {len(ref)}; "
-            f"the first extra one is {extra[0]} '{extra[1]}' on rank {who}, missing on rank {other}"
-        )
-    return None
-
-
-def _move_to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_move_to_device(x, device) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_move_to_device(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _move_to_device(v, device)) for k, v in obj.items())
-    return obj
-
-
-class _BackwardSink(torch.autograd.Function):
-    """Identity on the forward outputs whose backward runs first and tells the reducer.
-
-    [Note: why a sink] The reducer's end-of-backward callback must be queued on the *outer*
-    backward. Queued from the first gradient hook, it would land on a nested backward when
-    that hook fires inside reentrant activation checkpointing, and run too early.
-    """
-
-    @staticmethod
-    def forward(ctx, reducer_ref, *tensors):
-        ctx.set_materialize_grads(False)
-        ctx.reducer_ref = reducer_ref
-        # Clones, not views: users may modify outputs in place (PyTorch's sink clones too).
-        return tuple(t.clone() for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        reducer = ctx.reducer_ref()
-        if reducer is not None:
-            reducer.backward_started()
-        return (None, *grads)
-
-
-def _attach_sink(output: Any, reducer: Reducer) -> Any:
-    leaves, spec = tree_flatten(output)
-    where = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not where:
-        return output
-    sunk = _BackwardSink.apply(weakref.ref(reducer), *(leaves[i] for i in where))
-    for i, t in zip(where, sunk):
-        leaves[i] = t
-    return tree_unflatten(leaves, spec)
+_TorchDDP = nn.parallel.DistributedDataParallel
 
 
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism: one replica per rank, gradients averaged across ranks in backward.
 
-    Drop-in for ``torch.nn.parallel.DistributedDataParallel``: same arguments, same
-    ``module.``-prefixed ``state_dict()``, ``no_sync()``, ``join()``,
-    ``register_comm_hook()``, and on two CPU ranks the same parameters bit for bit after
-    any number of steps. Without a process group (a world of one) it is a transparent
-    wrapper.
+    Drop-in for ``torch.nn.parallel.DistributedDataParallel``: PyTorch 2.13's arguments in
+    PyTorch's order, the same ``module.``-prefixed ``state_dict()``, ``no_sync()``,
+    ``join()``, ``register_comm_hook()``, ``_set_static_graph()`` and
+    ``_set_params_and_buffers_to_ignore_for_model()``, pickling and ``copy.deepcopy``,
+    ``torch.compile`` and ``backward(create_graph=True)``; on two CPU ranks the same
+    parameters bit for bit after any number of steps. Without a process group (a world of
+    one) it is a transparent wrapper.
 
     Args:
         module: the model, already on its device. Every rank must build the same model.
         device_ids: ``[local_rank]`` for a single-device CUDA module (inputs are moved
-            there); None for CPU modules or to use the module's device. Default None.
-        output_device: accepted for compatibility; outputs stay where the module puts them
-            (as with PyTorch's single-device DDP). Default None.
-        dim: accepted for compatibility (PyTorch's single-device DDP does not scatter either).
-            Default 0.
-        broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from rank 0 at the
-            start of each training forward. Default True.
+            there); None for CPU and multi-device modules. Default None.
+        output_device: for single-device CUDA modules only (default ``device_ids[0]``);
+            outputs stay where the module puts them, as with PyTorch's single-device DDP.
+        dim: kept for compatibility (single-device DDP does not scatter). Default 0.
+        broadcast_buffers: deprecated spelling of ``forward_sync_buffers`` (FutureWarning,
+            as in PyTorch 2.13); ``False`` also keeps buffers out of the initial broadcast.
+            Default None.
+        init_sync: at construction, check that every rank built the same model and copy
+            rank 0's parameters and buffers to all. ``False`` skips both (the ranks must
+            then already agree). Default True.
         process_group: group to reduce over. Default None (the whole world).
         bucket_cap_mb: bucket size in MiB. Default None: 25 MiB, with a 1 MiB first bucket
             so that the first all-reduce starts early.
         find_unused_parameters: walk the autograd graph from the forward outputs and treat
             parameters it cannot reach as ready (zero contribution); a parameter unused on
             every rank keeps its ``.grad`` untouched. Default False.
-        check_reduction: deprecated in PyTorch and ignored; warns once when True. Default False.
+        check_reduction: deprecated and without effect; warns (FutureWarning). Default False.
         gradient_as_bucket_view: make ``.grad`` views into the flat bucket buffers (no
             copy-out, less memory). Default False.
         static_graph: the set of used parameters and the number of times each one is used
             are the same every iteration; learnt in the first iteration. Allows a parameter
             to receive its gradient several times per backward (reentrant activation
             checkpointing). Default False.
-        shm: all-reduce gradients through shared memory (not in PyTorch's DDP). None
-            (default): when every rank of the group is on this node and the module is on the
-            CPU, unless ``DPTRAIN_SHM=0``; False: never (gloo); True: always, raising
-            ValueError where it cannot. Same numbers as gloo (bitwise on two ranks).
+        delay_all_reduce_named_params: ``(name, parameter)`` pairs reduced outside the
+            buckets, in one all-reduce fired when ``param_to_hook_all_reduce``'s gradient is
+            computed. Default None.
+        param_to_hook_all_reduce: the parameter that fires that all-reduce; given together
+            with ``delay_all_reduce_named_params``. Default None.
+        mixed_precision: ``torch.nn.parallel.distributed._MixedPrecision(param_dtype,
+            reduce_dtype, buffer_dtype)`` (or any object with those fields): forward and
+            backward in ``param_dtype``, gradients reduced in ``reduce_dtype``, buffers kept
+            in ``buffer_dtype``; parameters and ``.grad`` are full precision outside forward
+            and backward. Needs a process group. Default None.
+        device_mesh: a 1-D ``DeviceMesh`` to reduce over, instead of ``process_group``.
+            Default None.
+        skip_all_reduce_unused_params: do not all-reduce a bucket whose parameters are all
+            unused in this iteration (their ``.grad`` stays untouched). The unused set must
+            be the same on every rank. Default False.
+        bucket_cap_mb_list: one size in MiB per bucket, in launch order (the last one
+            repeats); overrides ``bucket_cap_mb``. Default None.
+        batched_grad_copy: copy a bucket's gradients in with one ``_foreach_copy_`` and one
+            division when the bucket is full, instead of one scaled copy per gradient
+            (fewer kernel launches for many small parameters). Default False.
+        forward_sync_buffers: broadcast buffers (e.g. BatchNorm statistics) from rank 0 at
+            the start of each training forward and after ``join()``. Default None (True).
+
+        shm: keyword only, not in PyTorch's DDP: all-reduce the gradients through shared
+            memory. None (default): when every rank of the group is on this node and the module
+            is on the CPU, unless ``DPTRAIN_SHM=0``; False: never (gloo); True: always,
+            raising ValueError where it cannot. The same numbers as gloo (bitwise on two
+            ranks; in rank order on more). A copy (``copy.deepcopy``, unpickling) reduces
+            through gloo: making one needs no collective.
 
     Raises:
-        ValueError: the ranks built different models (every rank raises, naming the first
-            difference and the ranks), the module has no parameter that requires grad, or
-            ``device_ids`` was given for a CPU module.
+        DDPSetupError: (a ``RuntimeError`` and a ``ValueError``) the ranks built different
+            models (every rank raises, naming the first difference and the ranks), the
+            module has no parameter that requires grad, it holds uninitialized (lazy)
+            parameters, or both ``process_group`` and ``device_mesh`` were given.
+        ValueError: ``device_ids``/``output_device`` for a CPU or multi-device module, a
+            bucket size that is not positive, or only one of the two delayed-all-reduce
+            arguments.
+        NotImplementedError: ``device_mesh`` sliced out of a larger mesh (DDP with tensor
+            parallelism), or ``mixed_precision`` without a process group.
 
     Example:
         >>> dptrain.init()
@@ -189,6 +136,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         >>> with model.no_sync():                  # accumulate without communication
         ...     model(x1).sum().backward()
         >>> model(x2).sum().backward()            # averages the accumulated gradients
+        >>> ema = copy.deepcopy(model)            # a working copy, no collective
+        >>> fast = torch.compile(model)           # compiled module, same reducer
     """
 
     def __init__(
@@ -197,130 +146,240 @@ class DistributedDataParallel(nn.Module, Joinable):
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: Any = None,
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: list[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
         shm: bool | None = None,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
+        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+            raise ValueError(
+                "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time."
+            )
+        self.process_group = setup.resolve_group(process_group, device_mesh)
+        self.device_mesh = device_mesh
+        self._distributed = self.process_group is not None
         self.module = module
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
+        delayed = list(delay_all_reduce_named_params or [])
+        self.parameters_to_ignore = setup.ignored_names(module) | {n for n, _ in delayed}
+        managed = self._check_module(module, bool(delayed))
+        self.device_type, self.device_ids = setup.check_devices(managed, device_ids, output_device)
+        self.output_device = setup.output_device_index(self.device_ids, output_device)
+        self.device = managed[0].device
+        sync = setup.resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.forward_sync_buffers, init_sync_buffers = sync
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
         self.bucket_cap_mb = bucket_cap_mb
-        if check_reduction:
-            env._warn_once_main("DistributedDataParallel(check_reduction=True) is deprecated and does nothing")
+        self.bucket_cap_mb_list = list(bucket_cap_mb_list) if bucket_cap_mb_list else None
+        self.bucket_bytes_cap = max(bucket_size_limits(bucket_cap_mb, bucket_cap_mb_list))  # read by dynamo
+        self.mixed_precision = mixed_precision
+        self.static_graph = False  # set by _set_static_graph() below, as in PyTorch
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
-
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError(
-                "DistributedDataParallel needs a module with at least one parameter that requires grad; "
-                f"{type(module).__name__} has none. Train it without DDP, or unfreeze a parameter."
-            )
-        devices = {p.device for _, p in module.named_parameters()}
-        self.device_type = next(iter(devices)).type
-        if device_ids is not None:
-            if len(devices) > 1 or self.device_type == "cpu" or len(device_ids) != 1:
-                raise ValueError(
-                    f"device_ids={list(device_ids)} only works with a module on one CUDA device (pass "
-                    f"device_ids=[local_rank]); this module's parameters are on {sorted(map(str, devices))}. "
-                    "For CPU or multi-device modules leave device_ids=None."
-                )
-            self.device_ids = [
-                torch.device(self.device_type, d) if isinstance(d, int) else torch.device(d) for d in device_ids
-            ]
-        else:
-            self.device_ids = None
-        self.output_device = output_device
-        self.device = self.device_ids[0] if self.device_ids else next(iter(devices))
-
-        self._distributed = dist.is_available() and dist.is_initialized()
-        if process_group is None and self._distributed:
-            process_group = dist.group.WORLD
-        self.process_group = process_group
+        self._warn_ignored_arguments(check_reduction, bucket_cap_mb, bucket_cap_mb_list)
+        self._check_mixed_precision()
         self.reducer: Reducer | None = None
+        self._delayed: DelayedAllReduce | None = None
+        self._mixed_precision: MixedPrecisionState | None = None
+        self._rank = dist.get_rank(self.process_group) if self._distributed else 0
+        self._shm_wish = shm
+        self._shm: Any = None
         if self._distributed:
-            self._rank = dist.get_rank(process_group)
-            self._verify_same_model()
-            _broadcast_coalesced(
-                [p.detach() for p in module.parameters()] + list(module.buffers()), 0, self.process_group
-            )
-            grads = [p for _, p in named]
-            self._shm = _shm.for_parameters(grads, process_group, shm, "DDP gradient all-reduce")
-            self.reducer = Reducer(
-                grads,
-                [n for n, _ in named],
-                process_group,
-                bucket_cap_mb=bucket_cap_mb,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                find_unused_parameters=find_unused_parameters,
-                static_graph=static_graph,
-                shm=self._shm,
-            )
-        else:
-            self._rank = 0
+            self._set_up_ranks(delayed, param_to_hook_all_reduce, init_sync, init_sync_buffers, static_graph)
+        if static_graph:
+            self._set_static_graph()
 
-    def _verify_same_model(self) -> None:
-        # Settings that shape the collectives must agree too, or buckets would not line up.
-        settings = [
-            ("setting", k, getattr(self, k))
-            for k in ("bucket_cap_mb", "find_unused_parameters", "static_graph", "broadcast_buffers")
-        ]
-        descs = comm.all_gather_object(settings + _describe(self.module), group=self.process_group)
-        problem = _first_mismatch(descs)
-        if problem is not None:
-            raise ValueError(
-                f"DistributedDataParallel on rank {self._rank}: the ranks built different models: {problem}. "
-                "Build the same model on every rank (same code, same arguments) before wrapping it."
+    def _set_up_ranks(self, delayed: list, hook_param: Any, init_sync: bool, sync_buffers: bool, static: bool) -> None:
+        """The collectives of construction (in PyTorch's order), then the reducer."""
+        if delayed:
+            self._delayed = DelayedAllReduce(delayed, hook_param, self.process_group)
+            setup.broadcast_coalesced([p.detach() for _, p in delayed], 0, self.process_group)
+        if init_sync and self._reducer_params()[0]:
+            setup.verify_same_model(self.module, self.parameters_to_ignore, self._settings(static), self.process_group)
+            tensors = setup.managed_tensors(self.module, self.parameters_to_ignore, sync_buffers)
+            setup.broadcast_coalesced(tensors, 0, self.process_group)
+        params = self._reducer_params()[0]
+        if params:  # a collective: every rank decides together whether memory can be shared
+            self._shm = _shm.for_parameters(params, self.process_group, self._shm_wish, "DDP gradient all-reduce")
+        self._build_reducer()
+
+    def _check_module(self, module: nn.Module, has_delayed: bool) -> list[nn.Parameter]:
+        """The managed parameters; PyTorch's errors for a module DDP cannot train."""
+        managed = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+        if not any(p.requires_grad for p in managed) and not has_delayed:
+            raise DDPSetupError(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a "
+                f"gradient: no parameter of {type(module).__name__} requires grad (or all are ignored). Train it "
+                "without DDP, or unfreeze a parameter."
             )
+        for n, p in module.named_parameters():
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                raise DDPSetupError(
+                    f"Modules with uninitialized parameters can't be used with `DistributedDataParallel`: '{n}' is "
+                    "a lazy parameter. Run a dummy forward pass to correctly initialize the modules."
+                )
+        return managed or list(module.parameters())
+
+    def _warn_ignored_arguments(self, check_reduction: bool, bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> None:
+        if check_reduction:
+            warnings.warn(
+                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
+                "using it.",
+                FutureWarning,
+                stacklevel=3,
+            )
+        if bucket_cap_mb_list and bucket_cap_mb is not None:
+            warnings.warn(
+                f"DistributedDataParallel: bucket_cap_mb={bucket_cap_mb} is ignored because bucket_cap_mb_list "
+                "gives the size of every bucket",
+                stacklevel=3,
+            )
+
+    def _check_mixed_precision(self) -> None:
+        if self.mixed_precision is None:
+            return
+        if not self._distributed:
+            raise NotImplementedError(
+                "DistributedDataParallel(mixed_precision=...) needs an initialized process group (dptrain.init() "
+                "under dptrain run or torchrun); in a single process use torch.autocast instead"
+            )
+        if self.gradient_as_bucket_view:
+            raise ValueError(
+                "mixed_precision and gradient_as_bucket_view=True cannot be combined: the buckets hold param_dtype "
+                "gradients while .grad must be full precision; drop gradient_as_bucket_view"
+            )
+
+    def _settings(self, static_graph: bool) -> dict:
+        # Constructor arguments that shape the collectives: every rank must pass the same.
+        mp = self.mixed_precision
+        mp_dtypes = None if mp is None else [str(mp.param_dtype), str(mp.reduce_dtype), str(mp.buffer_dtype)]
+        return {
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "bucket_cap_mb_list": self.bucket_cap_mb_list,
+            "find_unused_parameters": self.find_unused_parameters,
+            "static_graph": static_graph,
+            "forward_sync_buffers": self.forward_sync_buffers,
+            "skip_all_reduce_unused_params": self.skip_all_reduce_unused_params,
+            "mixed_precision": mp_dtypes,
+        }
+
+    def _reducer_params(self) -> tuple[list[nn.Parameter], list[str]]:
+        return setup.params_for_reducer(self.module, self.parameters_to_ignore)
+
+    def _build_reducer(self) -> None:
+        """The reducer (and mixed precision's hook); no collective, so unpickling may call it."""
+        params, names = self._reducer_params()
+        if not params:
+            return  # every trainable parameter is delayed: no buckets (PyTorch's rule)
+        if self.mixed_precision is not None and self._mixed_precision is None:
+            self._mixed_precision = MixedPrecisionState(self.mixed_precision, self.module, self.parameters_to_ignore)
+        self.reducer = Reducer(
+            params,
+            names,
+            self.process_group,
+            bucket_cap_mb=self.bucket_cap_mb,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            bucket_cap_mb_list=self.bucket_cap_mb_list,
+            skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
+            batched_grad_copy=self.batched_grad_copy,
+            grad_dtype=None if self._mixed_precision is None else self._mixed_precision.grad_dtype,
+            shm=self._shm,
+        )
+        if self._mixed_precision is not None:
+            self.reducer.comm_hook_state = _UpcastHookState(self)
+            self.reducer.comm_hook = allreduce_and_upcast_hook
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs = self._pre_forward(inputs, kwargs)
+        output = self.module(*inputs, **kwargs)  # what torch.compile compiles (see [Note: torch.compile])
+        return self._post_forward(output)
+
+    @torch.compiler.disable
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         reducer = self.reducer
-        if reducer is None:  # a world of one: nothing to synchronise
-            return self.module(*inputs, **kwargs)
-        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if grad_sync:
+        if reducer is None:  # a world of one, or every parameter delayed: nothing to prepare
+            return inputs, kwargs
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
             reducer.check_prior_reduction()
         work = Join.notify_join_context(self)
         if work is not None:
             reducer.set_divisor_work(work, self._divide_by_initial_world_size)
+        if torch.is_grad_enabled():
+            reducer.rebuild_buckets()  # once, after the first backward (see the reducer's notes)
         if self._will_sync_buffers():
             src = self._find_common_rank(self._rank, True) if self._join_config.enable else 0
             self._sync_buffers(src)
         if self._join_config.enable:
             self._all_reduce_requires_sync(joined=False)
         if self.device_ids:
-            inputs = _move_to_device(inputs, self.device_ids[0])
-            kwargs = _move_to_device(kwargs, self.device_ids[0])
-        output = self.module(*inputs, **kwargs)
-        if grad_sync:
+            target = torch.device(self.device_type, self.device_ids[0])
+            inputs, kwargs = setup.map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
+        if self._mixed_precision is not None:
+            inputs, kwargs = self._mixed_precision.before_forward(inputs, kwargs)
+        # Where dynamo's DDPOptimizer finds the DDP module whose buckets split compiled graphs.
+        outer = _TorchDDP._active_ddp_module
+        self.__dict__["_outer_ddp"] = None if outer is self else outer  # not a submodule: plain attribute
+        _TorchDDP._active_ddp_module = self
+        return inputs, kwargs
+
+    @torch.compiler.disable
+    def _post_forward(self, output: Any) -> Any:
+        if self._delayed is not None:
+            self._delayed.point_grads_at_buffer()
+        reducer = self.reducer
+        if reducer is None:
+            return output
+        _TorchDDP._active_ddp_module = self.__dict__.pop("_outer_ddp", None)
+        if not torch.is_grad_enabled() and self._mixed_precision is not None:
+            self._mixed_precision.restore()  # no backward follows
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             reducer.prepare_for_backward(output if self.find_unused_parameters and not self.static_graph else None)
-            output = _attach_sink(output, reducer)
+            output = attach_sink(output, reducer)
         else:
             self.require_forward_param_sync = False
         return output
 
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (PyTorch's method of the same name)."""
+        return self._will_sync_buffers()
+
+    def _managed_buffers(self) -> list[torch.Tensor]:
+        # Looked up every time: modules may reassign their buffers.
+        if not self.parameters_to_ignore:
+            return list(self.module.buffers())
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
     def _will_sync_buffers(self) -> bool:
-        return (
-            self.require_forward_param_sync and self.broadcast_buffers and any(True for _ in self.module.buffers())
-        )
+        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._managed_buffers())
 
     def _sync_buffers(self, src: int) -> None:
-        buffers = list(self.module.buffers())
+        buffers = self._managed_buffers()
         with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-            _broadcast_coalesced(buffers, src, self.process_group)
+            setup.broadcast_coalesced(buffers, src, self.process_group)
 
     def _find_common_rank(self, rank: int, candidate: bool) -> int:
         """The highest group rank among candidates (PyTorch's rule for join's authoritative rank)."""
@@ -337,6 +396,92 @@ class DistributedDataParallel(nn.Module, Joinable):
             return None
         work.wait()
         return bool(flag.item() != 0)
+
+    # ------------------------------------------------------------------ settings after construction
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Deprecated name of ``forward_sync_buffers`` (PyTorch 2.13 keeps it as a property)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, params_and_buffers_to_ignore: Sequence[str]
+    ) -> None:
+        """Exclude parameters and buffers, by fully qualified name, from DDP's synchronisation.
+
+        Call on the plain model before wrapping it. Ignored parameters get no gradient
+        all-reduce and, like ignored buffers, no broadcast at construction, forward or
+        ``join()``; they may differ between ranks. Same name, attributes and effect as
+        PyTorch's, so models prepared for either DDP work with both.
+
+        Example:
+            >>> ignore = ["head.bias", "bn.running_mean"]
+            >>> DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+            >>> ddp = DistributedDataParallel(model)
+        """
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        for name, param in module.named_parameters():
+            if name in params_and_buffers_to_ignore:
+                param._ddp_ignored = True
+        for name, buffer in module.named_buffers():
+            if name in params_and_buffers_to_ignore:
+                buffer._ddp_ignored = True
+
+    def _set_static_graph(self) -> None:
+        """Turn on static-graph mode after construction, before training (PyTorch's private API)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        self.static_graph = True
+        if self.reducer is not None:
+            self.reducer.set_static_graph()
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will detect "
+                "unused parameters automatically, so you do not need to set find_unused_parameters=true, just be "
+                "sure these unused parameters will not change during training loop while calling "
+                "`_set_static_graph`.",
+                stacklevel=2,
+            )
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict:
+        if self._distributed and self.process_group is not dist.group.WORLD:
+            raise DDPSetupError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process group. That "
+                "is, when you have called init_process_group and have not passed process_group (or device_mesh) "
+                "to the DDP constructor. Pickle ddp.module instead."
+            )
+        state = dict(self.__dict__)
+        state.pop("process_group")
+        reducer = state.pop("reducer")
+        state.pop("_outer_ddp", None)
+        state["_shm"] = None  # a copy reduces through gloo: see the shm argument
+        if reducer is not None and self._mixed_precision is None and reducer.comm_hook is not None:
+            state["_comm_hook"] = (reducer.comm_hook, reducer.comm_hook_state)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        comm_hook = state.pop("_comm_hook", None)
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        self._distributed = self.process_group is not None
+        self._rank = dist.get_rank(self.process_group) if self._distributed else 0
+        self.reducer = None
+        if not self._distributed:
+            self._mixed_precision = None
+            return
+        self._build_reducer()
+        if self.reducer is not None and self.static_graph:
+            self.reducer.set_static_graph()
+        if self._delayed is not None:
+            self._delayed.attach(self.process_group)
+        if comm_hook is not None and self.reducer is not None:
+            self.register_comm_hook(comm_hook[1], comm_hook[0])
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager
@@ -370,7 +515,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         Raises:
             TypeError: ``hook`` is not callable.
-            RuntimeError: a hook was already registered.
+            RuntimeError: a hook was already registered (``mixed_precision`` registers one).
 
         Example:
             >>> from dptrain.parallel import comm_hooks
@@ -443,6 +588,7 @@ class _DDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
+        ddp.reducer.rebuild_buckets()  # matches the rebuild in the other ranks' forward
         if ddp._will_sync_buffers():
             ddp._sync_buffers(ddp._find_common_rank(ddp._rank, False))
         should_sync = ddp._all_reduce_requires_sync(joined=True)
@@ -453,10 +599,8 @@ class _DDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
         src = ddp._find_common_rank(ddp._rank, is_last_joiner)
-        tensors = [p.detach() for p in ddp.module.parameters()]
-        if ddp.broadcast_buffers:
-            tensors += list(ddp.module.buffers())
-        _broadcast_coalesced(tensors, src, ddp.process_group)
+        tensors = setup.managed_tensors(ddp.module, ddp.parameters_to_ignore, ddp.forward_sync_buffers)
+        setup.broadcast_coalesced(tensors, src, ddp.process_group)
 
 
 DDP = DistributedDataParallel

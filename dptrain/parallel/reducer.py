@@ -1,13 +1,12 @@
 """The gradient reducer behind :class:`dptrain.DistributedDataParallel`.
 
-Parameters that require a gradient are packed into flat *buckets*, in reverse registration
-order (the order backward usually produces their gradients). Each parameter carries one
-post-accumulate-grad hook that copies the gradient into its slot of the bucket (scaled by
-``1 / world_size``); when every gradient of a bucket is in, an asynchronous all-reduce of
-the bucket is launched, so communication
-overlaps the rest of backward. Buckets are launched strictly in order, the same on every
-rank. A callback queued on the autograd engine runs once backward is over: it waits for
-the buckets and writes the averaged gradients back into ``param.grad``.
+Parameters that require a gradient are packed into flat *buckets* (see
+:mod:`dptrain.parallel._buckets`). Each parameter carries one post-accumulate-grad hook that
+copies the gradient into its slot of the bucket (scaled by ``1 / world_size``); when every
+gradient of a bucket is in, an asynchronous all-reduce of the bucket is launched, so
+communication overlaps the rest of backward. Buckets are launched strictly in order, the
+same on every rank. A callback queued on the autograd engine runs once backward is over: it
+waits for the buckets and writes the averaged gradients back into ``param.grad``.
 
 [Note: bitwise parity with PyTorch]
 PyTorch's C++ reducer scales each gradient by ``1 / world_size`` *before* the sum
@@ -18,22 +17,25 @@ bucket layout does not matter for an elementwise two-term sum. With three or mor
 gloo's ring order depends on the chunk an element falls in, so results agree to fp32
 rounding.
 
-[Note: no bucket rebuild]
-PyTorch 2.13 starts with a single bucket and rebuilds the buckets in gradient-ready order
-after the first iteration. We build the buckets once, in reverse registration order with
-PyTorch's limits ([1 MiB, 25 MiB]); for ResNet-18 and MLPs this gives exactly PyTorch's
-rebuilt bucket sizes, values are unaffected (see above), and every rank lays out the same
-buckets without having to agree on an observed order.
+[Note: bucket rebuild]
+Once, after the first backward, the buckets are rebuilt in the order gradients became ready,
+as PyTorch does; :mod:`dptrain.parallel._rebuild` says when and with whose order.
 
 [Note: the status slot]
-The last bucket carries one extra element: 1 on a rank whose backward left parameters
-without a gradient (it then launches its remaining buckets with zeros, so nobody hangs).
-After the all-reduce every rank knows how many ranks failed, and every rank raises at its
-next forward, not only the one that holds the unused parameter.
+The last bucket carries extra elements. The first is 1 on a rank whose backward left
+parameters without a gradient (it then launches its remaining buckets with zeros, so nobody
+hangs); after the all-reduce every rank knows how many ranks failed, and every rank raises
+at its next forward, not only the one that holds the unused parameter. The second is the
+bucket rebuild's vote.
+
+[Note: which backward is ours]
+Only a backward that accumulates into ``.grad`` starts a reduction, not
+``torch.autograd.grad`` through the outputs (see :mod:`dptrain.parallel._sink`).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -42,151 +44,20 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from dptrain import _diagnostics
+from dptrain.parallel import _reducer_errors as errors
+from dptrain.parallel._buckets import (
+    DEFAULT_FIRST_BUCKET_BYTES,
+    GradBucket,
+    _Bucket,
+    _views_of,
+    bucket_size_limits,
+    compute_bucket_assignment,
+    reached_params,
+)
+from dptrain.parallel._rebuild import BucketRebuild
+from dptrain.parallel._sink import new_anchor
 
-__all__ = ["Reducer", "GradBucket", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES"]
-
-_MIB = 1024 * 1024
-DEFAULT_FIRST_BUCKET_BYTES = 1 * _MIB  # PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES
-DEFAULT_BUCKET_CAP_MB = 25
-_SLOT_ALIGN = 1024  # elements; see _Bucket
-
-
-def compute_bucket_assignment(
-    sizes: Sequence[int], keys: Sequence[Any], limits: Sequence[int], order: Sequence[int] | None = None
-) -> list[list[int]]:
-    """Group tensor indices into buckets of at most about ``limits`` bytes each.
-
-    Tensors are visited in ``order`` (default: reverse index order, which approximates the
-    order backward produces gradients). Tensors with different ``keys`` (dtype, device)
-    never share a bucket. A bucket is closed as soon as its size reaches the current limit;
-    the limits advance one per closed bucket of that key and then stay at the last one
-    (PyTorch uses ``[1 MiB, bucket_cap]`` so the first, earliest bucket launches early).
-
-    Args:
-        sizes: bytes of each tensor.
-        keys: a hashable per tensor; only equal keys share a bucket.
-        limits: bucket byte limits, in the order buckets are closed.
-        order: visiting order of the indices. Default: ``reversed(range(len(sizes)))``.
-
-    Returns:
-        The buckets as lists of indices, in the order they were closed (launch order).
-
-    Example:
-        >>> compute_bucket_assignment([4, 4, 4], ["f"] * 3, [8])
-        [[2, 1], [0]]
-    """
-    if not limits or any(lim <= 0 for lim in limits):
-        raise ValueError(f"bucket limits must be positive byte counts, got {list(limits)}")
-    if order is None:
-        order = range(len(sizes) - 1, -1, -1)
-    open_buckets: dict[Any, list] = {}  # key -> [indices, bytes, limit position]
-    result: list[list[int]] = []
-    for i in order:
-        acc = open_buckets.setdefault(keys[i], [[], 0, 0])
-        acc[0].append(i)
-        acc[1] += sizes[i]
-        if acc[1] >= limits[acc[2]]:
-            result.append(acc[0])
-            acc[0], acc[1], acc[2] = [], 0, min(acc[2] + 1, len(limits) - 1)
-    result.extend(acc[0] for acc in open_buckets.values() if acc[0])
-    return result
-
-
-class GradBucket:
-    """What a communication hook receives: the methods of ``torch.distributed.GradBucket``.
-
-    ``buffer()`` is the flat tensor of the bucket's gradients (not divided by the world
-    size); ``gradients()`` are views of it shaped like ``parameters()``.
-    """
-
-    def __init__(self, index: int, buffer: torch.Tensor, views: list, params: list, is_last: bool) -> None:
-        self._index, self._buffer, self._views, self._params, self._is_last = index, buffer, views, params, is_last
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[torch.Tensor]:
-        return list(self._views)
-
-    def parameters(self) -> list[torch.Tensor]:
-        return list(self._params)
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
-
-
-class _Bucket:
-    """One flat buffer and the parameters packed into it."""
-
-    __slots__ = ("index", "indices", "params", "flat", "buffer", "views", "numel")
-
-    def __init__(
-        self, index: int, indices: list[int], params: list[torch.nn.Parameter], status_slot: bool, shm: Any = None
-    ) -> None:
-        self.index = index
-        self.indices = indices
-        self.params = [params[i] for i in indices]
-        first = self.params[0]
-        self.numel = sum(p.numel() for p in self.params)
-        # The last bucket carries one extra element, the number of ranks whose backward left
-        # parameters without gradient, so that every rank learns of it (see _finalize_backward).
-        # Padded to a whole number of 1024 elements: an odd-sized buffer splits into unaligned
-        # chunks in gloo's ring all-reduce, which measurably slows the sum.
-        padded = -(-(self.numel + 1) // _SLOT_ALIGN) * _SLOT_ALIGN if status_slot else self.numel
-        if shm is None:
-            self.flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
-        else:  # in shared memory: backward writes the gradients where every rank reads them
-            self.flat = shm.zeros(padded, first.dtype, first.device)
-        self.buffer = self.flat[: self.numel]
-        self.views, offset = [], 0
-        for p in self.params:
-            self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-
-
-def _find_tensors(obj: Any, out: list) -> list:
-    """Every tensor inside ``obj`` (nested lists, tuples, dicts, dataclass-like objects)."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            _find_tensors(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _find_tensors(x, out)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            _find_tensors(getattr(obj, name), out)
-    return out
-
-
-def _reached_params(outputs: Any) -> set[int]:
-    """ids of the leaf tensors whose AccumulateGrad nodes backward from ``outputs`` can reach."""
-    reached: set[int] = set()
-    stack, seen = [], set()
-    for t in _find_tensors(outputs, []):
-        if t.grad_fn is not None:
-            stack.append(t.grad_fn)
-        elif t.requires_grad:
-            reached.add(id(t))
-    while stack:
-        fn = stack.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)
-        if var is not None:
-            reached.add(id(var))
-        for nxt, _ in fn.next_functions:
-            if nxt is not None and nxt not in seen:
-                stack.append(nxt)
-    return reached
+__all__ = ["Reducer", "GradBucket", "compute_bucket_assignment", "bucket_size_limits", "DEFAULT_FIRST_BUCKET_BYTES"]
 
 
 class Reducer:
@@ -203,6 +74,14 @@ class Reducer:
         find_unused_parameters: walk the autograd graph each iteration and mark
             parameters it cannot reach as ready.
         static_graph: learn the used parameters and hook counts in the first iteration.
+        bucket_cap_mb_list: one size in MiB per bucket (the last repeats); overrides
+            ``bucket_cap_mb``.
+        skip_all_reduce_unused_params: do not all-reduce a bucket whose parameters are all
+            unused this iteration (the unused set must be the same on every rank).
+        batched_grad_copy: copy a bucket's gradients in with one ``_foreach_copy_`` and
+            one division when the bucket is full, instead of one scaled copy per gradient.
+        grad_dtype: dtype the gradients arrive in (mixed precision); default: the
+            parameters' dtype.
         shm: a :class:`dptrain._shm.ShmGroup` over ``process_group``: buckets live in shared
             memory and are all-reduced there instead of with ``dist.all_reduce``. Default None.
     """
@@ -216,41 +95,40 @@ class Reducer:
         gradient_as_bucket_view: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
+        *,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        skip_all_reduce_unused_params: bool = False,
+        batched_grad_copy: bool = False,
+        grad_dtype: torch.dtype | None = None,
         shm: Any = None,
     ) -> None:
         self.params = list(params)
+        self.shm = shm
         self.names = list(names)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters and not static_graph
         self.static_graph = static_graph
-        if bucket_cap_mb is None:
-            limits = [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * _MIB]
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
+        self.grad_dtype = grad_dtype
+        self.bucket_limits = bucket_size_limits(bucket_cap_mb, bucket_cap_mb_list)
+        self._sizes = [p.numel() * p.element_size() for p in self.params]
+        self._keys = [(p.dtype, p.device) for p in self.params]
+        if self.find_unused_parameters:
+            # Never rebuilt (see [Note: bucket rebuild]): PyTorch's layout for this case, filled
+            # in registration order so that the small first-limit bucket holds the first
+            # layers, whose gradients come last, and launched from the last layers on.
+            order = range(len(self.params))
+            assignment = compute_bucket_assignment(self._sizes, self._keys, self.bucket_limits, order)[::-1]
         else:
-            if bucket_cap_mb <= 0:
-                raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}; the default is 25")
-            limits = [max(1, int(bucket_cap_mb * _MIB))]
-        self.bucket_limits = limits
-        sizes = [p.numel() * p.element_size() for p in self.params]
-        keys = [(p.dtype, p.device) for p in self.params]
-        assignment = compute_bucket_assignment(sizes, keys, limits)
-        self.shm = shm
-        self.buckets = [
-            _Bucket(b, idx, self.params, b == len(assignment) - 1, shm) for b, idx in enumerate(assignment)
-        ]
-        self._bucket_of = [0] * len(self.params)
-        for bucket in self.buckets:
-            for i in bucket.indices:
-                self._bucket_of[i] = bucket.index
-        self._bucket_count = [len(b.indices) for b in self.buckets]
-        self._views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
-        for bucket in self.buckets:
-            for i, view in zip(bucket.indices, bucket.views):
-                self._views[i] = view
+            assignment = compute_bucket_assignment(self._sizes, self._keys, self.bucket_limits)
+        self._init_buckets(assignment)
         self.comm_hook: Callable | None = None
         self.comm_hook_state: Any = None
         self.num_iterations = 0  # synced backward passes so far
+        self._rebuild = BucketRebuild(len(self.params), never=self.find_unused_parameters)
 
         # Per-iteration state, reset by prepare_for_backward().
         self._expect_hooks = False
@@ -258,6 +136,7 @@ class Reducer:
         self._ready = bytearray(len(self.params))
         self._next_bucket = 0
         self._works: list[Any] = []
+        self._deferred: list[list[int]] = []
         self._first_hook_seen = False
         self._unused_now: list[int] = []
         self._div: int | None = None
@@ -275,6 +154,9 @@ class Reducer:
         self._static_remaining: list[int] = []
         self._hook_counts: list[int] = []
 
+        # See [Note: which backward is ours]: the sink's input that tells a training backward.
+        self.anchor, self.anchor_node = new_anchor(self.params[0].device)
+
         self_ref = weakref.ref(self)
         self._handles = [
             p.register_post_accumulate_grad_hook(_make_hook(self_ref, i)) for i, p in enumerate(self.params)
@@ -284,22 +166,57 @@ class Reducer:
         for h in getattr(self, "_handles", ()):
             h.remove()
 
-    # ------------------------------------------------------------------ forward side
-    def _other_ranks_failed(self, count: int) -> str:
-        return (
-            f"DistributedDataParallel on rank {dist.get_rank()}: in the previous backward {count} other "
-            "rank(s) produced no gradient for some parameters (their error names them). Pass "
-            "find_unused_parameters=True to DistributedDataParallel(...) when the set of parameters used "
-            "in forward can differ between ranks or iterations."
-        )
+    def _init_buckets(self, assignment: list[list[int]]) -> None:
+        """Allocate the buckets of ``assignment``; with bucket views, move existing grads into them."""
+        if self.shm is not None and getattr(self, "buckets", None):
+            # A rebuild reuses the shared region (every rank at the same forward): gradients that
+            # are views of the old buckets are saved first, as the new buckets overwrite them.
+            for p in self.params:
+                if p.grad is not None and self.gradient_as_bucket_view:
+                    p.grad = p.grad.clone()
+            self.shm.release_all()
+        self.buckets = [
+            _Bucket(b, idx, self.params, b == len(assignment) - 1, self.grad_dtype, self.shm)
+            for b, idx in enumerate(assignment)
+        ]
+        self._bucket_of = [0] * len(self.params)
+        self._views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        for bucket in self.buckets:
+            for i, view in zip(bucket.indices, bucket.views):
+                self._bucket_of[i] = bucket.index
+                self._views[i] = view
+        self._bucket_count = [len(b.indices) for b in self.buckets]
+        if self.gradient_as_bucket_view:
+            with torch.no_grad():
+                for p, view in zip(self.params, self._views):
+                    if p.grad is not None and not p.grad.requires_grad and p.grad.dtype == view.dtype:
+                        view.copy_(p.grad)
+                        p.grad = view
 
+    @property
+    def assignment(self) -> list[list[int]]:
+        """Parameter indices of each bucket, in launch order."""
+        return [list(b.indices) for b in self.buckets]
+
+    def set_static_graph(self) -> None:
+        """Switch to static-graph mode; only before the first backward (PyTorch's rule)."""
+        if self.num_iterations > 0 or self._static_counts is not None:
+            raise RuntimeError(
+                "_set_static_graph() must be called after DistributedDataParallel(...) and before the first "
+                "training iteration; pass static_graph=True to the constructor instead"
+            )
+        self.static_graph = True
+        self.find_unused_parameters = False
+        self._rebuild = BucketRebuild(len(self.params), never=False)
+
+    # ------------------------------------------------------------------ forward side
     def check_prior_reduction(self) -> None:
         """Raise the error recorded by the previous backward (parameters that got no grad)."""
         if self._status_event is not None:
             self._status_event.synchronize()
             self._status_event = None
             if self._error is None and self._status_host.item() > 0:
-                self._error = self._other_ranks_failed(int(self._status_host.item()))
+                self._error = errors.other_ranks_failed(int(self._status_host.item()))
         if self._error is not None:
             msg, self._error = self._error, None
             raise RuntimeError(msg)
@@ -308,6 +225,25 @@ class Reducer:
         """Join: the all-reduce counting the ranks that have not joined; used as divisor unless static."""
         self._div_work = None if use_static_world_size else work
 
+    def rebuild_buckets(self) -> bool:
+        """Rebuild the buckets in gradient-ready order, once, at a forward (see [Note: bucket rebuild]).
+
+        Every rank calls it at the same point; returns whether the layout changed.
+        """
+        order = self._rebuild.exchange(self.process_group, self.params[0].device)
+        if order is None:
+            return False
+        assignment = compute_bucket_assignment(self._sizes, self._keys, self.bucket_limits, order)
+        if assignment == self.assignment:
+            return False
+        self._init_buckets(assignment)
+        return True
+
+    @property
+    def has_rebuilt_buckets(self) -> bool:
+        """Whether the one rebuild is behind us (done, or found to change nothing)."""
+        return self._rebuild.done
+
     def prepare_for_backward(self, outputs: Any = None) -> None:
         """Arm the hooks for the next backward; with find_unused, find unreachable parameters."""
         self._expect_hooks = True
@@ -315,10 +251,12 @@ class Reducer:
         self._ready = bytearray(len(self.params))
         self._next_bucket = 0
         self._works = [None] * len(self.buckets)
+        self._deferred = [[] for _ in self.buckets]
         self._first_hook_seen = False
         self._div = None
+        self._rebuild.start_backward(self._static_first_iteration)
         if self.find_unused_parameters:
-            reached = _reached_params(outputs)
+            reached = reached_params(outputs)
             self._unused_now = [i for i, p in enumerate(self.params) if id(p) not in reached]
         elif self.static_graph and self._static_counts is not None:
             self._static_remaining = list(self._static_counts)
@@ -369,13 +307,12 @@ class Reducer:
             self._static_remaining[i] -= 1
             if self._static_remaining[i] > 0:
                 return
+            if self._static_remaining[i] < 0:
+                raise RuntimeError(errors.static_graph_changed(self.names[i], i, self._static_counts[i]))
         if self._ready[i]:
-            raise RuntimeError(
-                f"DistributedDataParallel on rank {dist.get_rank()}: parameter '{self.names[i]}' received its "
-                "gradient twice in one backward (reentrant backward such as activation checkpointing, or a "
-                "module called twice with a reentrant graph). Pass static_graph=True if the graph is the "
-                "same every iteration."
-            )
+            raise RuntimeError(errors.gradient_twice(self.names[i], i))
+        if self._rebuild.recording:
+            self._rebuild.order.append(i)
         self._mark_ready(i)
 
     def _mark_ready(self, i: int) -> None:
@@ -387,8 +324,32 @@ class Reducer:
         self._pending[b] -= 1
         if self._pending[b] == 0 and b == self._next_bucket:
             while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
-                self._launch(self.buckets[self._next_bucket])
+                bucket = self.buckets[self._next_bucket]
+                if not self._skips(bucket):
+                    if self.batched_grad_copy:
+                        self._flush_deferred(bucket)
+                    if bucket.index == len(self.buckets) - 1:
+                        self._cast_vote(bucket)
+                    self._launch(bucket)
                 self._next_bucket += 1
+
+    def _skips(self, bucket: _Bucket) -> bool:
+        """skip_all_reduce_unused_params: a bucket of parameters unused this iteration stays local."""
+        if not self.skip_all_reduce_unused_params or not self._unused_now:
+            return False
+        unused = set(self._unused_now)
+        return all(i in unused for i in bucket.indices)
+
+    def _cast_vote(self, last: _Bucket) -> None:
+        # Every gradient is in when the last bucket launches: in the recording backward, vote
+        # on whether this rank's order gives other buckets (see [Note: bucket rebuild]).
+        differs = False
+        if self._rebuild.recording:
+            order = self._rebuild.complete(self._unused_now)
+            if order is not None:
+                assignment = compute_bucket_assignment(self._sizes, self._keys, self.bucket_limits, order)
+                differs = assignment != self.assignment
+        last.flat[last.numel + 1] = float(differs)
 
     def _divisor(self) -> int:
         if self._div is None:
@@ -419,8 +380,14 @@ class Reducer:
                 "with sparse=False (e.g. nn.Embedding(..., sparse=False))."
             )
         if self.gradient_as_bucket_view and g.data_ptr() == view.data_ptr():
-            if divide:
+            if divide and not self.batched_grad_copy:
                 view.div_(self._divisor())  # what PyTorch does to a gradient that is a bucket view
+            return
+        if g.requires_grad:
+            self._copy_in_graph_grad(g, view, divide and not self.batched_grad_copy)
+            return
+        if self.batched_grad_copy:
+            self._deferred[self._bucket_of[i]].append(i)
             return
         if divide:
             torch.mul(g, self._inv, out=view)  # scale while copying: PyTorch's mul_out(view, grad, 1/div)
@@ -428,6 +395,35 @@ class Reducer:
             view.copy_(g)
         if self.gradient_as_bucket_view:
             p.grad = view
+
+    def _copy_in_graph_grad(self, g: torch.Tensor, view: torch.Tensor, divide: bool) -> None:
+        # backward(create_graph=True): the gradient carries a graph. Its value is averaged like
+        # any other, without recording the copy (PyTorch's behaviour: the higher-order graph
+        # stops at the all-reduce, which is not differentiated). Python warns once per place.
+        warnings.warn(
+            "DistributedDataParallel with backward(create_graph=True): gradients are averaged across ranks, but "
+            "the averaged .grad is not differentiable through the all-reduce (as in PyTorch's DDP): a loss built "
+            "from p.grad gets no higher-order gradient through the other ranks. For gradient penalties use "
+            "torch.autograd.grad(..., create_graph=True), which DDP does not intercept.",
+            stacklevel=2,
+        )
+        with torch.no_grad():
+            if divide:
+                torch.mul(g, self._inv, out=view)
+            else:
+                view.copy_(g)
+
+    def _flush_deferred(self, bucket: _Bucket) -> None:
+        """batched_grad_copy: the bucket's pending copies in one call, then one division."""
+        idx = self._deferred[bucket.index]
+        if idx:
+            views = [self._views[i] for i in idx]
+            torch._foreach_copy_(views, [self.params[i].grad for i in idx])
+            if self.gradient_as_bucket_view:
+                for i, view in zip(idx, views):
+                    self.params[i].grad = view
+        if self.comm_hook is None:
+            bucket.buffer.div_(self._divisor())
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.index == 0:
@@ -452,13 +448,8 @@ class Reducer:
 
     def _run_hook(self, bucket: _Bucket, buffer: torch.Tensor) -> Any:
         is_last = bucket.index == len(self.buckets) - 1
-        grad_bucket = GradBucket(bucket.index, buffer, bucket.views, bucket.params, is_last)
-        if buffer is not bucket.buffer:
-            offs, views = 0, []
-            for p in bucket.params:
-                views.append(buffer[offs : offs + p.numel()].view(p.shape))
-                offs += p.numel()
-            grad_bucket._views = views
+        views = bucket.views if buffer is bucket.buffer else _views_of(buffer, bucket.params)
+        grad_bucket = GradBucket(bucket.index, buffer, views, bucket.params, is_last)
         fut = self.comm_hook(self.comm_hook_state, grad_bucket)
         if not callable(getattr(fut, "wait", None)):  # torch.futures.Future or torch._C.Future
             raise TypeError(
@@ -472,75 +463,89 @@ class Reducer:
         self._expect_hooks = False
         self.num_iterations += 1
         track_used = self._tracks_used
+        recording = self._rebuild.recording
         if self._static_first_iteration:
             # First static-graph iteration: everything reduced now, unused params included.
             self._static_counts = list(self._hook_counts)
             for i in range(len(self.params)):
                 self._mark_ready(i)
-        write_back = True
+        write_back = self._complete_missing()
+        self._reduce_used_map(track_used)
+        # Copy each bucket out as soon as its own all-reduce is done, overlapping the copies
+        # with the buckets still on the wire (PyTorch does the same).
+        for bucket, work in zip(self.buckets, self._works):
+            if work is None:
+                continue  # skip_all_reduce_unused_params: left local, .grad untouched
+            try:
+                source = self._wait(bucket, work)
+            except RuntimeError as exc:  # a peer died or stalled past the timeout: say who
+                raise _diagnostics.explain_failure(f"DDP gradient all-reduce (bucket {bucket.index})", exc) from exc
+            if write_back:
+                self._write_back(bucket, source)
+        _diagnostics.leave()
+        self._read_status()
+        if recording and write_back and self._error is None and self._works[-1] is not None:
+            self._rebuild.decide(self._rebuild_votes(self.buckets[-1].flat))
+
+    def _complete_missing(self) -> bool:
+        """Launch the buckets that still wait for gradients; False if this backward was faulty."""
         if self.find_unused_parameters and self._next_bucket < len(self.buckets):
             # Reachable from the outputs but no gradient arrived (e.g. an output left out of the
             # loss): with find_unused_parameters that is just one more unused parameter.
             for i in range(len(self.params)):
                 if not self._ready[i]:
                     self._mark_ready(i)
-        if self._next_bucket < len(self.buckets):
-            missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
-            self._error = (
-                f"DistributedDataParallel on rank {dist.get_rank()}: the previous backward produced no gradient "
-                f"for {len(missing)} parameter(s): {', '.join(repr(n) for n in missing[:20])}"
-                f"{' ...' if len(missing) > 20 else ''}. These parameters were not used to compute the loss, so "
-                "their gradients could not be reduced. Fix: pass find_unused_parameters=True to "
-                "DistributedDataParallel(...), or make sure every parameter takes part in the loss "
-                "(or set requires_grad=False on the ones you do not train)."
-            )
-            # Launch the rest anyway (zeros for the missing) so that ranks stay matched and none hangs;
-            # gradients stay local, as PyTorch leaves them, and the error is raised at the next forward.
-            write_back = False
-            for i in range(len(self.params)):
-                if not self._ready[i]:
-                    self._mark_ready(i)
-        used_work = used = None
+        if self._next_bucket == len(self.buckets):
+            return True
+        missing = [i for i in range(len(self.params)) if not self._ready[i]]
+        self._error = errors.missing_gradients(self.names, missing, self.static_graph)
+        # Launch the rest anyway (zeros for the missing) so that ranks stay matched and none hangs;
+        # gradients stay local, as PyTorch leaves them, and the error is raised at the next forward.
+        for i in missing:
+            self._mark_ready(i)
+        return False
+
+    def _rebuild_votes(self, last_flat: torch.Tensor) -> float | None:
+        """The summed rebuild votes of the reduced last bucket; None without a status slot."""
+        last = self.buckets[-1]
+        if self.comm_hook is not None or last.flat.numel() == last.numel:
+            return None
+        return last_flat[last.numel + 1].item()
+
+    def _reduce_used_map(self, track_used: bool) -> None:
         if track_used:
-            device = self.params[0].device
-            used = self._used_map(device)
+            used = self._used_map(self.params[0].device)
             used.copy_(torch.tensor(list(self._local_used), dtype=torch.int32))
-            used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
-        if used_work is not None:
-            used_work.wait()
+            dist.all_reduce(used, group=self.process_group)
             self._global_unused = [u == 0 for u in used.tolist()]
             self._local_used = bytearray(len(self.params))
         elif not self.static_graph:
             self._global_unused = None
-        # Copy each bucket out as soon as its own all-reduce is done, overlapping the copies
-        # with the buckets still on the wire (PyTorch does the same).
-        for bucket, work in zip(self.buckets, self._works):
-            try:
-                self._wait(bucket, work)
-            except RuntimeError as exc:  # a peer died or stalled past the timeout: say who
-                raise _diagnostics.explain_failure(f"DDP gradient all-reduce (bucket {bucket.index})", exc) from exc
-            if write_back:
-                self._write_back(bucket)
-        _diagnostics.leave()
-        last = self.buckets[-1]
-        if self.comm_hook is None and self._error is None and last.flat.numel() > last.numel:
-            # The status slot of the last bucket: how many ranks left parameters without gradient.
-            status = last.flat[last.numel : last.numel + 1]
-            if status.is_cuda:
-                # Read it at the next forward, through pinned memory and an event: an .item()
-                # here would stall the host on every step.
-                self._status_host = torch.empty(1, dtype=status.dtype, pin_memory=True)
-                self._status_host.copy_(status, non_blocking=True)
-                self._status_event = torch.cuda.Event()
-                self._status_event.record()
-            elif status.item() > 0:
-                # The gradients were averaged with that rank's zeros; the error stops the step.
-                self._error = self._other_ranks_failed(int(status.item()))
 
-    def _wait(self, bucket: _Bucket, work: Any) -> None:
+    def _read_status(self) -> None:
+        """The status slot of the last bucket: how many ranks left parameters without gradient."""
+        last = self.buckets[-1]
+        if self.comm_hook is not None or self._error is not None or last.flat.numel() == last.numel:
+            return
+        if self._works[last.index] is None:
+            return  # the last bucket was skipped: it carried no status this time
+        status = last.flat[last.numel : last.numel + 1]
+        if status.is_cuda:
+            # Read it at the next forward, through pinned memory and an event: an .item()
+            # here would stall the host on every step.
+            self._status_host = torch.empty(1, dtype=status.dtype, pin_memory=True)
+            self._status_host.copy_(status, non_blocking=True)
+            self._status_event = torch.cuda.Event()
+            self._status_event.record()
+        elif status.item() > 0:
+            # The gradients were averaged with that rank's zeros; the error stops the step.
+            self._error = errors.other_ranks_failed(int(status.item()))
+
+    def _wait(self, bucket: _Bucket, work: Any) -> list[torch.Tensor]:
+        """Wait for a bucket's reduction; return the views to copy the averaged gradients from."""
         if self.comm_hook is None:
             work.wait()
-            return
+            return bucket.views
         value = work.wait()
         if isinstance(value, (list, tuple)):
             value = value[0]
@@ -550,21 +555,30 @@ class Reducer:
                 f"{' of ' + str(value.numel()) + ' elements' if isinstance(value, torch.Tensor) else ''}; "
                 f"bucket {bucket.index} needs a tensor of {bucket.numel} elements"
             )
+        if value.dtype != bucket.buffer.dtype:
+            return _views_of(value.reshape(-1), bucket.params)  # e.g. reduced in another precision
         if value.data_ptr() != bucket.buffer.data_ptr():
             bucket.buffer.copy_(value.reshape(-1))
+        return bucket.views
 
-    def _write_back(self, bucket: _Bucket) -> None:
+    def _write_back(self, bucket: _Bucket, source: list[torch.Tensor]) -> None:
         unused = self._global_unused
         copy_to, copy_from = [], []
-        for i, p, view in zip(bucket.indices, bucket.params, bucket.views):
+        for i, p, view in zip(bucket.indices, bucket.params, source):
             if unused is not None and unused[i]:
                 continue  # unused on every rank: leave .grad as it was (None stays None)
             g = p.grad
-            if self.gradient_as_bucket_view:
+            if g is not None and g.requires_grad:
+                # create_graph=True: PyTorch copies the average into autograd's gradient with
+                # grad mode on, so .grad keeps requiring grad (its history ends at the copy).
+                with torch.enable_grad():
+                    g.copy_(view)
+            elif self.gradient_as_bucket_view and view.dtype == p.dtype:
                 if g is None or g.data_ptr() != view.data_ptr():
                     p.grad = view
             elif g is None:
-                p.grad = view.clone() if p.is_contiguous() else torch.empty_like(p).copy_(view)
+                same = view.dtype == p.dtype and p.is_contiguous()
+                p.grad = view.clone() if same else torch.empty_like(p).copy_(view)
             else:
                 copy_to.append(g)
                 copy_from.append(view)
@@ -579,7 +593,7 @@ class Reducer:
     # ------------------------------------------------------------------ join
     def shadow_backward(self) -> None:
         """For a rank that has joined: run the collectives of one synced backward with zeros."""
-        works = []
+        works, zeros = [], None
         for bucket in self.buckets:
             zeros = torch.zeros_like(bucket.flat if self.comm_hook is None else bucket.buffer)
             if self.comm_hook is None:
@@ -593,6 +607,17 @@ class Reducer:
             # from its last reduction (reduced in place, so it only grows), not zeros: parameters
             # used before it joined count as used, and get zero gradients instead of None.
             dist.all_reduce(self._used_map(self.params[0].device), group=self.process_group)
+        self._shadow_rebuild_decision(zeros)
+        self.num_iterations += 1
+
+    def _shadow_rebuild_decision(self, last_flat: torch.Tensor) -> None:
+        # The ranks still training decide on a rebuild after this backward; this rank reads
+        # the same vote and takes part in the broadcast (see [Note: bucket rebuild]).
+        last = self.buckets[-1]
+        if self.comm_hook is None and last.flat.numel() > last.numel and last_flat[last.numel].item() > 0:
+            return  # a rank failed: nobody decides this time
+        first_static = self.static_graph and self.num_iterations == 0
+        self._rebuild.decide_joined(first_static, self._rebuild_votes(last_flat))
 
 
 def _make_hook(reducer_ref: "weakref.ref[Reducer]", index: int) -> Callable[[torch.Tensor], None]:

@@ -25,6 +25,19 @@ class ConvBN(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
+class BNNet(nn.Module):
+    """Linear, BatchNorm, Linear on 6 features: parameters and buffers, all used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
 class LSTMClassifier(nn.Module):
     def __init__(self) -> None:
         super().__init__()

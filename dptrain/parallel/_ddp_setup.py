@@ -1,0 +1,260 @@
+"""What DistributedDataParallel's constructor checks and resolves before it builds a reducer.
+
+PyTorch's rules, one function each: which group (``process_group`` / ``device_mesh``), which
+parameters and buffers DDP manages (``_set_params_and_buffers_to_ignore_for_model``), how
+``broadcast_buffers`` and ``forward_sync_buffers`` combine, and the check that every rank
+built the same model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _get_device_index
+
+from dptrain import comm
+
+__all__ = ["DDPSetupError", "output_device_index", "map_tensors"]
+
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # PyTorch's broadcast_bucket_size
+IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"  # PyTorch's name: models marked for torch work here
+
+
+class DDPSetupError(ValueError, RuntimeError):
+    """A DistributedDataParallel set-up error where PyTorch raises ``RuntimeError``.
+
+    It is also a ``ValueError``, which dptrain raised before, so ``except RuntimeError`` (as
+    for PyTorch's DDP) and ``except ValueError`` both catch it.
+    """
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Any) -> None:
+    """Broadcast ``tensors`` from group rank ``src``: one flat broadcast per dtype/device (and 250 MiB)."""
+    chunks: dict[tuple, list[list[torch.Tensor]]] = {}
+    sizes: dict[tuple, int] = {}
+    for t in tensors:
+        key = (t.dtype, t.device)
+        nbytes = t.numel() * t.element_size()
+        if key not in chunks or sizes[key] + nbytes > _BROADCAST_BUCKET_BYTES:
+            chunks.setdefault(key, []).append([])
+            sizes[key] = 0
+        chunks[key][-1].append(t)
+        sizes[key] += nbytes
+    me = dist.get_rank(group)
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    with torch.no_grad():
+        for chunk_list in chunks.values():
+            for chunk in chunk_list:
+                flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+                dist.broadcast(flat, src=global_src, group=group)
+                if me != src:
+                    offset = 0
+                    for t in chunk:
+                        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                        offset += t.numel()
+
+
+def resolve_group(process_group: Any, device_mesh: Any) -> Any:
+    """The group DDP reduces over: PyTorch's rules for ``process_group`` and ``device_mesh``.
+
+    Returns None when torch.distributed is not initialized (a world of one).
+    """
+    if process_group is not None and device_mesh is not None:
+        raise DDPSetupError(
+            "Cannot specify both process_group and device_mesh arguments: pass device_mesh alone (DDP then "
+            "reduces over its group) or process_group alone."
+        )
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise DDPSetupError(
+                f"Only 1D device mesh is supported, but got {device_mesh} with {device_mesh.ndim} dimensions; "
+                "pass the data-parallel dimension, e.g. device_mesh=mesh['dp']."
+            )
+        if device_mesh._get_root_mesh() is not device_mesh:
+            raise NotImplementedError(
+                "device_mesh: a mesh sliced out of a larger one (DDP combined with tensor parallelism) is not "
+                "supported by dptrain's DDP; use torch.nn.parallel.DistributedDataParallel for DDP + TP, or "
+                "pass a 1D mesh of its own."
+            )
+        return device_mesh.get_group(mesh_dim=0)
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return process_group
+
+
+def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """``(forward_sync_buffers, init_sync_buffers)`` from the new and the deprecated argument.
+
+    PyTorch 2.13's rules and warnings: ``broadcast_buffers`` warns (FutureWarning) whenever it
+    is given; ``broadcast_buffers=False`` also keeps buffers out of the initial broadcast,
+    ``forward_sync_buffers=False`` does not; the new argument wins when both are given.
+    """
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            warnings.warn(
+                "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is "
+                "deprecated and its value is ignored when `forward_sync_buffers` is provided.",
+                FutureWarning,
+                stacklevel=3,
+            )
+        else:
+            warnings.warn(
+                "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: unlike "
+                "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at init. If you rely "
+                "on buffers NOT being synced at init (e.g. rank-local buffers), keep using "
+                "`broadcast_buffers=False`.",
+                FutureWarning,
+                stacklevel=3,
+            )
+    if forward_sync_buffers is not None:
+        return bool(forward_sync_buffers), True
+    effective = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return effective, effective
+
+
+def ignored_names(module: nn.Module) -> set[str]:
+    """Parameter and buffer names marked by ``_set_params_and_buffers_to_ignore_for_model``."""
+    names = set(getattr(module, IGNORE_ATTR, ()))
+    if names:
+        known = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+        unknown = sorted(names - known)
+        if unknown:
+            warnings.warn(
+                f"DistributedDataParallel: {unknown} were marked to be ignored but {type(module).__name__} has "
+                "no parameter or buffer of that name (names are fully qualified, e.g. 'encoder.0.weight'); "
+                "they are synchronised as usual",
+                stacklevel=3,
+            )
+    return names
+
+
+def params_for_reducer(module: nn.Module, ignore: set[str]) -> tuple[list[nn.Parameter], list[str]]:
+    """Trainable, not ignored, shared ones once: in PyTorch's order, so indices in errors match."""
+    params, names, seen = [], [], set()
+    for module_name, sub in module.named_modules():
+        for param_name, p in sub.named_parameters(recurse=False):
+            fqn = f"{module_name}.{param_name}" if module_name else param_name
+            if p.requires_grad and fqn not in ignore and p not in seen:
+                seen.add(p)
+                params.append(p)
+                names.append(fqn)
+    return params, names
+
+
+def managed_tensors(module: nn.Module, ignore: set[str], buffers: bool) -> list[torch.Tensor]:
+    """Parameters (detached) and, if asked, buffers that DDP keeps equal across ranks."""
+    out = [p.detach() for n, p in module.named_parameters() if n not in ignore]
+    if buffers:
+        out += [b for n, b in module.named_buffers() if n not in ignore]
+    return out
+
+
+def check_devices(module_params: list[nn.Parameter], device_ids: Any, output_device: Any) -> tuple[str, list | None]:
+    """PyTorch's device rules; returns ``(device_type, device indices or None)``."""
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(
+            f"device_ids can only be None or contain a single element, got {list(device_ids)}: one DDP process "
+            "drives one device (device_ids=[local_rank])."
+        )
+    types = {p.device.type for p in module_params}
+    if len(types) != 1:
+        raise ValueError(
+            "DistributedDataParallel's input module must be on the same type of devices, but input module "
+            f"parameters locate in {sorted(types)}."
+        )
+    device_type = next(iter(types))
+    multi = len({p.device for p in module_params}) > 1
+    if not device_ids or device_type == "cpu" or multi:
+        if device_ids or output_device is not None:
+            devices = sorted({str(p.device) for p in module_params})
+            raise ValueError(
+                f"device_ids={device_ids} / output_device={output_device} only work with a module on one CUDA "
+                f"device (pass device_ids=[local_rank]); this module's parameters are on {devices}. For CPU or "
+                "multi-device modules leave device_ids and output_device as None."
+            )
+        return device_type, None
+    return device_type, [_get_device_index(d, True) for d in device_ids]  # indices, as PyTorch keeps them
+
+
+def output_device_index(device_ids: list[int] | None, output_device: Any) -> int | None:
+    """PyTorch's ``output_device``: an index, ``device_ids[0]`` by default, None for CPU modules."""
+    if not device_ids:
+        return None
+    return _get_device_index(device_ids[0] if output_device is None else output_device, True)
+
+
+def _describe(module: nn.Module, ignore: set[str]) -> list[tuple]:
+    """What must be identical on every rank: parameters and buffers, by name, shape and dtype."""
+    desc = [
+        ("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+        for n, p in module.named_parameters()
+        if n not in ignore
+    ]
+    desc += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers() if n not in ignore]
+    return desc
+
+
+def _first_mismatch(descs: list[list[tuple]]) -> str | None:
+    """A message naming the first difference between rank 0 and the lowest differing rank."""
+    ref = descs[0]
+    for r, desc in enumerate(descs[1:], start=1):
+        if desc == ref:
+            continue
+        for a, b in zip(desc, ref):
+            if a == b:
+                continue
+            if a[0] == "setting" and b[0] == "setting":
+                return f"rank {r} passed {a[1]}={a[2]!r} but rank 0 passed {b[1]}={b[2]!r}"
+            if (a[0], a[1]) != (b[0], b[1]):
+                return (
+                    f"rank {r} holds {a[0]} '{a[1]}' where rank 0 holds {b[0]} '{b[1]}' (same position "
+                    "in named_parameters()/named_buffers())"
+                )
+            what = []
+            if a[2] != b[2]:
+                what.append(f"shape {a[2]} but rank 0 holds {b[2]}")
+            if a[3] != b[3]:
+                what.append(f"dtype {a[3]} but rank 0 holds {b[3]}")
+            if a[4] != b[4]:
+                what.append(f"requires_grad={a[4]} but rank 0 has requires_grad={b[4]}")
+            return f"rank {r} holds {a[0]} '{a[1]}' of " + "; ".join(what)
+        longer, shorter, who = (desc, ref, r) if len(desc) > len(ref) else (ref, desc, 0)
+        extra = longer[len(shorter)]
+        other = 0 if who == r else r
+        return (
+            f"rank {r} has {len(desc)} parameters+buffers but rank 0 has {len(ref)}; "
+            f"the first extra one is {extra[0]} '{extra[1]}' on rank {who}, missing on rank {other}"
+        )
+    return None
+
+
+def verify_same_model(module: nn.Module, ignore: set[str], settings: dict, group: Any) -> None:
+    """Every rank raises DDPSetupError naming the first difference if the ranks built different models.
+
+    ``settings`` are constructor arguments that shape the collectives: they must agree too,
+    or buckets would not line up.
+    """
+    mine = [("setting", k, v) for k, v in settings.items()] + _describe(module, ignore)
+    problem = _first_mismatch(comm.all_gather_object(mine, group=group))
+    if problem is not None:
+        raise DDPSetupError(
+            f"DistributedDataParallel on rank {dist.get_rank(group)}: the ranks built different models: {problem}. "
+            "Build the same model on every rank (same code, same arguments) before wrapping it."
+        )
+
+
+def map_tensors(obj: Any, fn: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor inside (lists, tuples, namedtuples, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(x, fn) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+    return obj
