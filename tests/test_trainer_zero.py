@@ -1,0 +1,62 @@
+"""The Trainer with ZeRO-1 (strategy="zero" / zero_stage=1): DDP's numbers with 1/N of the
+optimizer state per rank, clipping by global norm, checkpoints that resume on any world size."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dptrain
+from dptrain import checkpoint
+from dptrain.parallel.zero import ZeroRedundancyOptimizer
+from dptrain.train import TrainerConfig
+from tests._dist import run_ranks
+from tests.test_trainer import _params, _same, _trainer
+
+
+def _zero_vs_ddp(rank, cdir):
+    out = {}
+    for label, kw in (("ddp", {"strategy": "ddp"}), ("zero", {"zero_stage": 1}), ("zero_named", {"strategy": "zero"})):
+        t = _trainer(cdir if label == "zero" else None, max_grad_norm=0.5, steps=5 if label == "zero" else 0, **kw)
+        if label != "ddp":
+            assert isinstance(t.optimizer, ZeroRedundancyOptimizer) and t.strategy == "zero"
+        t.fit(2)
+        out[label] = _params(t)
+    # resume from the mid-epoch checkpoint of step 10: the same weights at the end
+    os.remove(checkpoint.latest_checkpoint(cdir))
+    again = _trainer(cdir, resume="auto", max_grad_norm=0.5, steps=5, zero_stage=1)
+    again.fit(2)
+    out["resumed"] = _params(again)
+    out["state_bytes"] = sum(v.numel() * v.element_size() for s in again.optimizer.optim.state.values()
+                             for v in s.values() if torch.is_tensor(v))
+    return out
+
+
+def test_zero_trains_like_ddp_and_resumes_bitwise(tmp_path):
+    results = run_ranks(_zero_vs_ddp, 2, str(tmp_path / "ck"))
+    for r in results:
+        assert _same(r["zero"], r["ddp"]) and _same(r["zero_named"], r["ddp"]) and _same(r["resumed"], r["ddp"])
+    full = sum(p.numel() * 4 for p in results[0]["ddp"].values() if p.dtype == torch.float32 and p.dim() > 0)
+    assert sum(r["state_bytes"] for r in results) < full * 1.01  # momentum buffers, split across ranks
+    # the saved optimizer state is the unsharded optimizer's, on rank 0's file
+    state = checkpoint.load(checkpoint.latest_checkpoint(tmp_path / "ck"))
+    assert "optimizer" in state and len(state["optimizer"]["state"]) == 6
+
+
+def _load_on_three(rank, path, cdir):
+    t = _trainer(cdir, resume=path, zero_stage=1)
+    t.fit(3)
+    return t.epoch
+
+
+def test_a_zero_checkpoint_resumes_on_another_world_size(tmp_path):
+    run_ranks(_zero_vs_ddp, 2, str(tmp_path / "ck"))
+    path = checkpoint.latest_checkpoint(tmp_path / "ck")
+    assert run_ranks(_load_on_three, 3, path, str(tmp_path / "three")) == [3, 3, 3]
+
+
+def test_zero_stage_is_validated():
+    with pytest.raises(ValueError, match="zero_stage=2"):
+        TrainerConfig(zero_stage=2)
