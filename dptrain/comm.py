@@ -16,7 +16,8 @@ Every function takes PyTorch's arguments in PyTorch's order and moves bytes with
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ __all__ = [
     "all_gather_uneven",
     "is_distributed",
     "wait",
+    "guarded",
 ]
 
 _OPS = {
@@ -93,33 +95,57 @@ def _call(name: str, fn: Callable[[], Any], tensors: Sequence[torch.Tensor] = ()
     return out
 
 
-def wait(work: Any, name: str, group: Any = None) -> Any:
-    """Wait for an asynchronous collective's work handle, with dptrain's failure message.
+@contextlib.contextmanager
+def guarded(name: str, group: Any = None) -> Iterator[None]:
+    """Run a block of communication as one named collective, with dptrain's failure message.
 
-    The one guarded wait of the package: DDP's bucket all-reduces, FSDP's gathers and
-    reductions and the shared-memory all-reduce all end here, so a peer that died or
-    stalled past the timeout is named the same way everywhere ("rank 1 did not arrive ...").
+    The one guarded path of the package: :func:`wait`, DDP's and FSDP's waits, ZeRO's
+    parameter sharing and the shared-memory collectives all end here, so a peer that died
+    or stalled past the timeout is named the same way everywhere ("rank 1 did not arrive
+    ..."), and the heartbeat shows which operation this rank is in while it waits.
 
     Args:
-        work: what an ``async_op=True`` collective returned (None: nothing to wait for).
         name: the operation, for the message (e.g. ``"FSDP all-gather of unit 'layers.0'"``).
+        group: the process group it runs on.
+
+    Raises:
+        CollectiveError: the block failed; names this rank, the operation and, where the
+            heartbeats tell, the ranks that never arrived.
+
+    Example:
+        >>> with comm.guarded("parameter sync"):
+        ...     torch.distributed.broadcast(t, src=0)
+    """
+    from dptrain import _diagnostics  # late: it imports comm
+
+    _diagnostics.enter(name)
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        # The heartbeats describe the whole world: the default group is the world.
+        world_group = group is None or (dist.is_initialized() and group is dist.group.WORLD)
+        raise _diagnostics.explain_failure(name, exc, None if world_group else group) from exc
+    _diagnostics.leave()
+
+
+def wait(work: Any, name: str, group: Any = None) -> Any:
+    """Wait for an asynchronous collective's work handle (or future) through :func:`guarded`.
+
+    Args:
+        work: what an ``async_op=True`` collective returned, or a future (None: nothing to wait for).
+        name: the operation, for the message.
         group: the process group it ran on.
 
     Returns:
-        What ``work.wait()`` returned.
+        What ``work.wait()`` returned (a future's value).
 
     Raises:
-        CollectiveError: the collective failed or timed out; names this rank, the operation
-            and, where the heartbeats tell, the ranks that never arrived.
+        CollectiveError: the collective failed or timed out (see :func:`guarded`).
     """
     if work is None:
         return None
-    from dptrain import _diagnostics  # late: it imports comm
-
-    try:
+    with guarded(name, group):
         return work.wait()
-    except Exception as exc:  # noqa: BLE001 - re-raised with context
-        raise _diagnostics.explain_failure(name, exc, group) from exc
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dptrain import _diagnostics
+from dptrain import comm
 
 __all__ = ["BucketRebuild"]
 
@@ -76,12 +76,8 @@ class BucketRebuild:
             return None
         order = torch.tensor(self.agreed, dtype=torch.int64, device=device)
         src = dist.get_global_rank(group, 0) if group is not None else 0
-        _diagnostics.enter(_WHAT)
-        try:
+        with comm.guarded(_WHAT, group):
             dist.broadcast(order, src=src, group=group)
-        except RuntimeError as exc:  # a peer died or stalled past the timeout: say who
-            raise _diagnostics.explain_failure(_WHAT, exc) from exc
-        _diagnostics.leave()
         self.agreed = None
         self.done = True
         return order.tolist()

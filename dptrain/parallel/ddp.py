@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from dptrain import _shm
+from dptrain import _shm, comm
 from dptrain.parallel import _ddp_setup as setup
 from dptrain.parallel._ddp_delayed import DelayedAllReduce
 from dptrain.parallel._ddp_mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
@@ -394,7 +394,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         work = dist.all_reduce(flag, group=self.process_group, async_op=True)
         if not joined:
             return None
-        work.wait()
+        comm.wait(work, "DDP join (which ranks still train)", self.process_group)
         return bool(flag.item() != 0)
 
     # ------------------------------------------------------------------ settings after construction

@@ -35,6 +35,7 @@ Only a backward that accumulates into ``.grad`` starts a reduction, not
 
 from __future__ import annotations
 
+import enum
 import warnings
 import weakref
 from typing import Any, Callable, Sequence
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from dptrain import _diagnostics
+from dptrain import comm
 from dptrain.parallel import _reducer_errors as errors
 from dptrain.parallel._buckets import (
     DEFAULT_FIRST_BUCKET_BYTES,
@@ -57,7 +58,16 @@ from dptrain.parallel._buckets import (
 from dptrain.parallel._rebuild import BucketRebuild
 from dptrain.parallel._sink import new_anchor
 
-__all__ = ["Reducer", "GradBucket", "compute_bucket_assignment", "bucket_size_limits", "DEFAULT_FIRST_BUCKET_BYTES"]
+__all__ = ["Reducer", "BackwardPhase", "GradBucket", "compute_bucket_assignment", "bucket_size_limits",
+           "DEFAULT_FIRST_BUCKET_BYTES"]
+
+
+class BackwardPhase(enum.Enum):
+    """Where the reducer stands in a synced backward; the gradient hooks act on it."""
+
+    IDLE = "idle"  # no synced backward armed (no_sync, eval, between steps): hooks only accumulate
+    ARMED = "armed"  # a training forward armed the hooks; the backward has not started yet
+    RUNNING = "running"  # the backward started: gradients are marked ready and buckets launched
 
 
 class Reducer:
@@ -131,13 +141,12 @@ class Reducer:
         self._rebuild = BucketRebuild(len(self.params), never=self.find_unused_parameters)
 
         # Per-iteration state, reset by prepare_for_backward().
-        self._expect_hooks = False
+        self.phase = BackwardPhase.IDLE
         self._pending: list[int] = []
         self._ready = bytearray(len(self.params))
         self._next_bucket = 0
         self._works: list[Any] = []
         self._deferred: list[list[int]] = []
-        self._first_hook_seen = False
         self._unused_now: list[int] = []
         self._div: int | None = None
         self._inv = 1.0
@@ -246,13 +255,12 @@ class Reducer:
 
     def prepare_for_backward(self, outputs: Any = None) -> None:
         """Arm the hooks for the next backward; with find_unused, find unreachable parameters."""
-        self._expect_hooks = True
+        self.phase = BackwardPhase.ARMED
         self._pending = list(self._bucket_count)
         self._ready = bytearray(len(self.params))
         self._next_bucket = 0
         self._works = [None] * len(self.buckets)
         self._deferred = [[] for _ in self.buckets]
-        self._first_hook_seen = False
         self._div = None
         self._rebuild.start_backward(self._static_first_iteration)
         if self.find_unused_parameters:
@@ -280,9 +288,9 @@ class Reducer:
         callback belongs to the outer backward even when the first gradient hook fires inside
         a reentrant (checkpointed) backward; the first hook calls it when there is no sink.
         """
-        if not self._expect_hooks or self._first_hook_seen:
+        if self.phase is not BackwardPhase.ARMED:
             return
-        self._first_hook_seen = True
+        self.phase = BackwardPhase.RUNNING
         Variable._execution_engine.queue_callback(self._finalize_backward)
         if self._static_first_iteration:
             self._hook_counts = [0] * len(self.params)
@@ -291,19 +299,18 @@ class Reducer:
 
     def _on_grad_ready(self, i: int) -> None:
         # The hot path: one call per parameter per backward; plain attributes only.
-        if self.static_graph or self.find_unused_parameters:
-            if self._tracks_used and self.params[i].grad is not None:
-                self._local_used[i] = 1
-            if self._expect_hooks and self._static_first_iteration:
-                if not self._first_hook_seen:
-                    self.backward_started()
-                self._hook_counts[i] += 1  # reduction is delayed to the end of this backward
-                return
-        if not self._expect_hooks:
+        if (self.static_graph or self.find_unused_parameters) and self._tracks_used:
+            if self.params[i].grad is not None:
+                self._local_used[i] = 1  # also under no_sync: reduced at the next synced backward
+        phase = self.phase
+        if phase is BackwardPhase.IDLE:
             return  # no_sync / eval forward: plain local accumulation
-        if not self._first_hook_seen:
+        if phase is BackwardPhase.ARMED:
             self.backward_started()
         if self.static_graph:
+            if self._static_counts is None:  # first iteration: count, reduce everything at the end
+                self._hook_counts[i] += 1
+                return
             self._static_remaining[i] -= 1
             if self._static_remaining[i] > 0:
                 return
@@ -355,7 +362,7 @@ class Reducer:
         if self._div is None:
             self._div = self.world_size
             if self._div_work is not None:
-                self._div_work.wait()
+                comm.wait(self._div_work, "DDP join (count of ranks still training)", self.process_group)
                 self._div = int(self._div_work.get_future().value()[0].item())
                 self._div_work = None
             self._inv = 1.0 / self._div
@@ -426,9 +433,6 @@ class Reducer:
             bucket.buffer.div_(self._divisor())
 
     def _launch(self, bucket: _Bucket) -> None:
-        if bucket.index == 0:
-            # For stall reports: this rank is now inside the gradient all-reduce of this step.
-            _diagnostics.enter("DDP gradient all-reduce")
         if self.comm_hook is None:
             if bucket.flat.numel() > bucket.numel:
                 bucket.flat[bucket.numel] = float(self._error is not None)
@@ -460,7 +464,7 @@ class Reducer:
 
     def _finalize_backward(self) -> None:
         """Runs once per synced backward, after autograd finished: wait, then write back."""
-        self._expect_hooks = False
+        self.phase = BackwardPhase.IDLE
         self.num_iterations += 1
         track_used = self._tracks_used
         recording = self._rebuild.recording
@@ -476,13 +480,9 @@ class Reducer:
         for bucket, work in zip(self.buckets, self._works):
             if work is None:
                 continue  # skip_all_reduce_unused_params: left local, .grad untouched
-            try:
-                source = self._wait(bucket, work)
-            except RuntimeError as exc:  # a peer died or stalled past the timeout: say who
-                raise _diagnostics.explain_failure(f"DDP gradient all-reduce (bucket {bucket.index})", exc) from exc
+            source = self._wait(bucket, work)
             if write_back:
                 self._write_back(bucket, source)
-        _diagnostics.leave()
         self._read_status()
         if recording and write_back and self._error is None and self._works[-1] is not None:
             self._rebuild.decide(self._rebuild_votes(self.buckets[-1].flat))
@@ -542,11 +542,12 @@ class Reducer:
             self._error = errors.other_ranks_failed(int(status.item()))
 
     def _wait(self, bucket: _Bucket, work: Any) -> list[torch.Tensor]:
-        """Wait for a bucket's reduction; return the views to copy the averaged gradients from."""
+        """Wait for a bucket's reduction; return the views to copy the averaged gradients from.
+
+        The wait is guarded: a peer that died or stalled past the timeout is named."""
+        value = comm.wait(work, f"DDP gradient all-reduce (bucket {bucket.index})", self.process_group)
         if self.comm_hook is None:
-            work.wait()
             return bucket.views
-        value = work.wait()
         if isinstance(value, (list, tuple)):
             value = value[0]
         if not isinstance(value, torch.Tensor) or value.numel() != bucket.numel:
@@ -600,8 +601,8 @@ class Reducer:
                 works.append(self._all_reduce(zeros, bucket.index))
             else:
                 works.append(self._run_hook(bucket, zeros))
-        for w in works:
-            w.wait()
+        for bucket, w in zip(self.buckets, works):
+            comm.wait(w, f"DDP gradient all-reduce of a joined rank (bucket {bucket.index})", self.process_group)
         if self._tracks_used:
             # [Note: join and the used map] Like PyTorch, a joined rank contributes the map left
             # from its last reduction (reduced in place, so it only grows), not zeros: parameters

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from dptrain import _diagnostics, _shm, env
+from dptrain import _shm, comm, env
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -269,15 +269,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         name = "ZeRO parameter sync"
         if self._shm is False:
             self._make_shm(per_rank)
-        _diagnostics.enter(name)
-        try:
+        with comm.guarded(name, self.process_group):
             if self._shm is not None:
                 self._shm.all_gather(per_rank)
             else:
                 self._broadcast_shards(per_rank)
-        except RuntimeError as exc:
-            raise _diagnostics.explain_failure(name, exc) from exc
-        _diagnostics.leave()
 
     def _broadcast_shards(self, per_rank: list[list[torch.Tensor]]) -> None:
         with torch.no_grad():
@@ -335,12 +331,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return
         gathered: list | None = [None] * self.world_size if self.rank == to else None
         name = "ZeRO consolidate_state_dict"
-        _diagnostics.enter(name)
-        try:
+        with comm.guarded(name, self.process_group):
             dist.gather_object(local, gathered, dst=dist.get_global_rank(self.process_group, to), group=self.process_group)
-        except RuntimeError as exc:
-            raise _diagnostics.explain_failure(name, exc) from exc
-        _diagnostics.leave()
         self._all_state_dicts = gathered if self.rank == to else []
 
     def state_dict(self) -> dict[str, Any]:
