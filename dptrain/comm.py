@@ -17,6 +17,7 @@ Every function takes PyTorch's arguments in PyTorch's order and moves bytes with
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -87,10 +88,14 @@ def _call(name: str, fn: Callable[[], Any], tensors: Sequence[torch.Tensor] = ()
     from dptrain import _diagnostics  # late: it imports comm
 
     _diagnostics.before_collective(name, tensors, group)
+    t0 = time.perf_counter() if _WAIT_CLOCK["on"] else 0.0
     try:
         out = fn()
     except Exception as exc:  # noqa: BLE001 - re-raised with context below
         raise _diagnostics.explain_failure(name, exc, group) from exc
+    finally:
+        if _WAIT_CLOCK["on"]:
+            _WAIT_CLOCK["seconds"] += time.perf_counter() - t0
     _diagnostics.after_collective(name, group)
     return out
 
@@ -119,13 +124,32 @@ def guarded(name: str, group: Any = None) -> Iterator[None]:
     from dptrain import _diagnostics  # late: it imports comm
 
     _diagnostics.enter(name)
+    t0 = time.perf_counter() if _WAIT_CLOCK["on"] else 0.0
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         # The heartbeats describe the whole world: the default group is the world.
         world_group = group is None or (dist.is_initialized() and group is dist.group.WORLD)
         raise _diagnostics.explain_failure(name, exc, None if world_group else group) from exc
+    finally:
+        if _WAIT_CLOCK["on"]:
+            _WAIT_CLOCK["seconds"] += time.perf_counter() - t0
     _diagnostics.leave()
+
+
+# Seconds spent blocked in collectives (guarded blocks and synchronous calls), counted only
+# while a profiler asks for it, so that the hot path pays nothing otherwise.
+_WAIT_CLOCK = {"on": False, "seconds": 0.0}
+
+
+def count_waiting(on: bool) -> None:
+    """Start (or stop) counting the seconds this process spends blocked in collectives."""
+    _WAIT_CLOCK["on"] = bool(on)
+
+
+def waited_seconds() -> float:
+    """Seconds blocked in collectives since counting started (see :func:`count_waiting`)."""
+    return _WAIT_CLOCK["seconds"]
 
 
 def wait(work: Any, name: str, group: Any = None) -> Any:

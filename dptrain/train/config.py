@@ -74,6 +74,14 @@ class TrainerConfig:
             terminal watches (directly, or through ``dptrain run``), else a progress line
             every ``progress_interval_s`` seconds.
         progress_interval_s: seconds between progress lines when no terminal watches. Default 30.
+        profile: time every step on every rank (data, forward, backward, exposed
+            communication, optimizer) and have rank 0 print a per-rank table every
+            ``profile_every_steps`` steps and at the end, naming the slowest rank, plus
+            ``profile.png`` (see :mod:`dptrain.train.profile`). Default None: on when
+            ``DPTRAIN_PROFILE=1`` (``dptrain run --profile``).
+        profile_every_steps: steps between profile tables. Default 100.
+        profile_dir: where ``profile.png`` goes. Default None: ``log_dir``, else
+            ``checkpoint_dir``, else the working directory.
         verbose: print one line per epoch on rank 0. Default True.
         export_safetensors: after ``fit``, write the best (else final) weights here as safetensors.
         ddp_kwargs: extra arguments for the DDP constructor (``bucket_cap_mb``, ...).
@@ -115,6 +123,9 @@ class TrainerConfig:
     metrics_path: str | None = None
     progress: bool | None = None
     progress_interval_s: float = 30.0
+    profile: bool | None = None
+    profile_every_steps: int = 100
+    profile_dir: str | None = None
     verbose: bool = True
     export_safetensors: str | None = None
     ddp_kwargs: dict = dataclasses.field(default_factory=dict)
@@ -136,7 +147,7 @@ class TrainerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainerConfig({name}={v!r}) must be an integer >= 0")
-        for name in ("gradient_accumulation_steps", "log_every_steps", "max_consecutive_skips"):
+        for name in ("gradient_accumulation_steps", "log_every_steps", "max_consecutive_skips", "profile_every_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 hint = " (1 = step after every batch)" if name == "gradient_accumulation_steps" else ""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from typing import Any, Callable, Iterable, Mapping
 
@@ -34,6 +35,7 @@ from dptrain.train.checkpointer import Checkpointer
 from dptrain.train.config import TrainerConfig
 from dptrain.train.log import TrainerLog, format_metrics
 from dptrain.train.preemption import Preempted, PreemptionWatcher, in_slurm_job, requeue_job
+from dptrain.train.profile import StepProfiler
 from dptrain.train.state import TrainState
 from dptrain.train.strategy import build_scheduler, make_strategy
 
@@ -304,6 +306,8 @@ class Trainer:
             metrics_path=cfg.metrics_path, progress_interval_s=cfg.progress_interval_s,
         )  # fmt: skip
         self.stop_reason = None
+        self._preempted_by = None
+        self._profiler = self._make_profiler()
         preemption = cfg.preemption == "on" or (cfg.preemption == "auto" and in_slurm_job())
         self._preemption = PreemptionWatcher(preemption)
         try:
@@ -318,6 +322,8 @@ class Trainer:
                 self._run_epoch(max_epochs)
             if self.stop_reason is not None:
                 self.log.line(self.stop_reason)
+            if self._profiler is not None and self._profiler.steps:
+                self._profiler.report(final=True)
             if self._preempted_by is not None:
                 self._leave_for_preemption()
             summary = self._finish()
@@ -329,7 +335,17 @@ class Trainer:
             raise
         finally:
             self._preemption.__exit__(None, None, None)
+            if self._profiler is not None:
+                self._profiler.close()
             self.log.close()
+
+    def _make_profiler(self) -> StepProfiler | None:
+        cfg = self.config
+        wanted = cfg.profile if cfg.profile is not None else os.environ.get("DPTRAIN_PROFILE", "0") not in ("", "0")
+        if not wanted:
+            return None
+        out = cfg.profile_dir or cfg.log_dir or cfg.checkpoint_dir or "."
+        return StepProfiler(self.device, self.rank, cfg.profile_every_steps, out)
 
     def _leave_for_preemption(self) -> None:
         """After the preemption checkpoint: requeue (rank 0), then leave with :class:`Preempted`."""
@@ -384,24 +400,38 @@ class Trainer:
         accum = cfg.gradient_accumulation_steps
         window_t, window_samples = time.perf_counter(), 0
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        step_samples, step_sums = 0, []
+        step_sums = []
+        prof = self._profiler
+        if prof is not None:
+            prof.start()
         for batch in it:
+            if prof is not None:
+                prof.lap("data")
             inputs, targets = _split_batch(move_to_device(batch, self.device))
             n = _num_samples(targets)
             sync = (b + 1) % accum == 0 or b + 1 == num_batches
             with contextlib.nullcontext() if sync else self.strategy.no_sync(self.model):
                 with self._autocast():
                     loss = self.loss_fn(_forward(self.model, inputs), targets)
+                if prof is not None:
+                    prof.lap("forward")
                 scaled = loss / accum if accum > 1 else loss
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)
                 scaled.backward()
+            if prof is not None:
+                prof.lap("backward")
             step_loss += loss.detach().to(torch.float64)
             step_sums.append((loss.detach(), n))
             window_samples += n
             b += 1
             if sync:
                 took = self._optimizer_step(b, num_batches, step_loss)
+                if prof is not None:
+                    prof.lap("optimizer")
+                    prof.end_step()
+                    if prof.due:
+                        prof.report()
                 if took:  # a skipped step's losses stay out of the epoch's average
                     for value, count in step_sums:
                         self.state.record_batch(value, count)
@@ -424,6 +454,8 @@ class Trainer:
                     window_t, window_samples = now, 0
             if sync and self.stop_reason is not None:
                 break
+            if prof is not None:
+                prof.start()  # checkpoints and logging between steps are not the next batch's wait
         return b
 
     def _optimizer_step(self, batch: int, num_batches: int, step_loss: torch.Tensor) -> bool:
