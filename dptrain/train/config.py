@@ -8,7 +8,7 @@ from typing import Any
 __all__ = ["TrainerConfig", "STRATEGIES", "NAN_POLICIES"]
 
 #: Names accepted by ``TrainerConfig(strategy=...)``.
-STRATEGIES = ("ddp", "fsdp", "torch-ddp", "zero", "none")
+STRATEGIES = ("ddp", "fsdp", "torch-ddp", "none", "zero")
 #: What the Trainer does when a loss or gradient norm is not finite.
 NAN_POLICIES = ("stop", "skip", "off")
 

@@ -27,9 +27,10 @@ from torch import nn
 
 from dptrain import _diagnostics, comm
 from dptrain._tensors import move_to_device
-from dptrain.data import gather_results, prepare_dataloader
+from dptrain.data import prepare_dataloader
 from dptrain.env import _warn_once_main, device as _default_device, get_world
-from dptrain.train import _parts
+from dptrain.train import _parts, evaluation
+from dptrain.train.evaluation import forward, num_samples, split_batch
 from dptrain.train.callbacks import Callback, EarlyStopping, NonFiniteError, NonFiniteGuard, StepInfo, gather_step_values
 from dptrain.train.checkpointer import Checkpointer
 from dptrain.train.config import TrainerConfig
@@ -40,33 +41,6 @@ from dptrain.train.state import TrainState
 from dptrain.train.strategy import build_scheduler, make_strategy
 
 __all__ = ["Trainer"]
-
-
-def _split_batch(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, Mapping) and "target" in batch:
-        inputs = {k: v for k, v in batch.items() if k != "target"}
-        return inputs, batch["target"]
-    if isinstance(batch, (list, tuple)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise ValueError(
-        f"the Trainer expects batches of (inputs, targets) or dicts with a 'target' key, got {type(batch).__name__}"
-        + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else "")
-    )
-
-
-def _forward(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (list, tuple)):
-        return model(*inputs)
-    return model(inputs)
-
-
-def _num_samples(targets: Any) -> int:
-    t = targets
-    while isinstance(t, (list, tuple)):
-        t = t[0]
-    return int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() > 0 else 1
 
 
 class Trainer:
@@ -407,12 +381,12 @@ class Trainer:
         for batch in it:
             if prof is not None:
                 prof.lap("data")
-            inputs, targets = _split_batch(move_to_device(batch, self.device))
-            n = _num_samples(targets)
+            inputs, targets = split_batch(move_to_device(batch, self.device))
+            n = num_samples(targets)
             sync = (b + 1) % accum == 0 or b + 1 == num_batches
             with contextlib.nullcontext() if sync else self.strategy.no_sync(self.model):
                 with self._autocast():
-                    loss = self.loss_fn(_forward(self.model, inputs), targets)
+                    loss = self.loss_fn(forward(self.model, inputs), targets)
                 if prof is not None:
                     prof.lap("forward")
                 scaled = loss / accum if accum > 1 else loss
@@ -426,25 +400,9 @@ class Trainer:
             window_samples += n
             b += 1
             if sync:
-                took = self._optimizer_step(b, num_batches, step_loss)
-                if prof is not None:
-                    prof.lap("optimizer")
-                    prof.end_step()
-                    if prof.due:
-                        prof.report()
-                if took:  # a skipped step's losses stay out of the epoch's average
-                    for value, count in step_sums:
-                        self.state.record_batch(value, count)
+                self._after_micro_batches(b, num_batches, step_loss, step_sums, loss)
                 step_loss.zero_()
                 step_sums = []
-                if took and cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and b < num_batches:
-                    # A step checkpoint on the epoch's last batch is left to the end-of-epoch one,
-                    # which is taken after the dev evaluation (see [Note: bitwise resume]).
-                    self.batch_in_epoch = b
-                    self.save_checkpoint()
-                if took and self.global_step % cfg.log_every_steps == 0:
-                    self.log.scalars({"train/step_loss": float(loss.detach()), "train/lr": self._lr()},
-                                     self.global_step, self.epoch + 1)
             if self.log.progress:
                 self.log.update(1, None, None)
                 if b % cfg.log_every_steps == 0 or b == num_batches:
@@ -457,6 +415,29 @@ class Trainer:
             if prof is not None:
                 prof.start()  # checkpoints and logging between steps are not the next batch's wait
         return b
+
+    def _after_micro_batches(self, b: int, num_batches: int, step_loss: torch.Tensor, step_sums: list,
+                             loss: torch.Tensor) -> None:
+        """The optimizer step that closes an accumulation group, and what follows it."""
+        cfg, prof = self.config, self._profiler
+        took = self._optimizer_step(b, num_batches, step_loss)
+        if prof is not None:
+            prof.lap("optimizer")
+            prof.end_step()
+            if prof.due:
+                prof.report()
+        if not took:
+            return  # a skipped step's losses stay out of the epoch's average; nothing to save
+        for value, count in step_sums:
+            self.state.record_batch(value, count)
+        if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and b < num_batches:
+            # A step checkpoint on the epoch's last batch is left to the end-of-epoch one,
+            # which is taken after the dev evaluation (see [Note: bitwise resume]).
+            self.batch_in_epoch = b
+            self.save_checkpoint()
+        if self.global_step % cfg.log_every_steps == 0:
+            self.log.scalars({"train/step_loss": float(loss.detach()), "train/lr": self._lr()},
+                             self.global_step, self.epoch + 1)
 
     def _optimizer_step(self, batch: int, num_batches: int, step_loss: torch.Tensor) -> bool:
         """Clip, check, step; returns False when the step was skipped."""
@@ -569,62 +550,10 @@ class Trainer:
         loader = self.dev_loader if data is None else (data if isinstance(data, torch.utils.data.DataLoader) else self._loader(data, "eval"))
         if loader is None:
             raise ValueError("evaluate() needs data: pass it, or give the Trainer dev_data=...")
-        indices = self._eval_indices(loader)
-        net = self.strategy.eval_module(self.model)
-        was_training = net.training
-        net.eval()
-        try:
-            outs, tgts = self._eval_outputs(net, loader)
-        finally:
-            net.train(was_training)
-        count = sum(o.shape[0] for o in outs)
-        if count != len(indices):
-            raise RuntimeError(f"rank {self.rank}: the eval loader yielded {count} samples but its sampler lists {len(indices)}")
-        idx = torch.as_tensor(indices, dtype=torch.int64)
-        all_out = gather_results(outs, idx)
-        all_tgt = gather_results(tgts, idx)
-        metrics: dict[str, float] = {"loss": float(self.loss_fn(all_out, all_tgt.to(all_out.device)))}
-        if self.metric_fn is not None:
-            extra = self.metric_fn(all_out, all_tgt)
-            if isinstance(extra, Mapping):
-                metrics.update({str(k): float(v) for k, v in extra.items()})
-            else:
-                metrics["metric"] = float(extra)
-        return metrics
-
-    def _eval_outputs(self, net: nn.Module, loader: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        num_batches = steps = len(loader)
-        if self.strategy.lockstep_eval:
-            # Every rank must run the same number of forwards (each one gathers the shards);
-            # a rank with fewer batches repeats one (a stand-in when it has none) and drops the result.
-            count = torch.tensor([num_batches], device=self.device)
-            comm.all_reduce(count, op="max")
-            steps = int(count.item())
-        outs, tgts = [], []
-        with torch.no_grad():
-            batches, batch = iter(loader), None
-            for i in range(steps):
-                if i < num_batches:
-                    batch = next(batches)
-                elif batch is None:
-                    batch = _stand_in_batch(loader)
-                inputs, targets = _split_batch(move_to_device(batch, self.device))
-                with self._autocast():
-                    out = _forward(net, inputs)
-                if i < num_batches:
-                    outs.append(out.float())
-                    tgts.append(targets)
-        return outs, tgts
-
-    @staticmethod
-    def _eval_indices(loader) -> list[int]:
-        sampler = getattr(loader, "sampler", None)
-        if sampler is None:
-            raise ValueError("evaluation needs a DataLoader whose sampler lists the dataset indices (dptrain.prepare_dataloader(mode='eval'))")
-        # sampler.indices() lists the shard without starting an iteration (which would
-        # discard a restored position); any other sampler is simply iterated.
-        listed = sampler.indices() if hasattr(sampler, "indices") else iter(sampler)
-        return [int(i) for i in listed]
+        return evaluation.evaluate(
+            self.strategy.eval_module(self.model), loader, device=self.device, lockstep=self.strategy.lockstep_eval,
+            autocast=self._autocast, loss_fn=self.loss_fn, metric_fn=self.metric_fn, rank=self.rank,
+        )  # fmt: skip
 
     def _update_best(self, metrics: Mapping[str, float], epoch: int) -> None:
         key = self.config.best_metric
@@ -673,10 +602,3 @@ class Trainer:
             out = ckpt.save_safetensors(state, path, metadata={"epoch": str(epoch)})
         comm.barrier()
         return out
-
-
-def _stand_in_batch(loader: Any) -> Any:
-    """One batch made of the dataset's first sample, for a rank whose eval shard is empty."""
-    collate = getattr(loader, "collate_fn", None) or torch.utils.data.default_collate
-    return collate([loader.dataset[0]])
-

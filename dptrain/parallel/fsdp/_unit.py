@@ -100,42 +100,14 @@ class FlatParamUnit:
         self.is_root = False  # set by the root FSDP: its unit stays gathered after forward
 
         self.name = type(module).__name__  # for messages; the wrapper sets the qualified name
-        uniq: dict[int, int] = {}  # id(param) -> index into infos
-        self.infos: list[_ParamInfo] = []
-        self.aliases: list[tuple[nn.Module, str, int]] = []  # tied weights: (module, name, info index)
-        offset = 0
-        first = []
-        for owner, name, p in params:
-            if id(p) in uniq:
-                self.aliases.append((owner, name, uniq[id(p)]))
-                continue
-            uniq[id(p)] = len(self.infos)
-            self.infos.append(_ParamInfo(owner, name, p.shape, p.numel(), offset))
-            first.append(p)
-            offset += p.numel()
-        self.dtype = first[0].dtype
-        self.requires_grad = first[0].requires_grad
-        self.numel = offset
+        first = self._layout(params)
         sharded = strategy != ShardingStrategy.NO_SHARD
         self.padded_numel = math.ceil(self.numel / world) * world if sharded else self.numel
         self.shard_numel = self.padded_numel // world if sharded else self.numel
         # no_shard without offload computes on the flat parameter itself: nothing to gather.
         self.identity = not sharded and not offload
         self._split = [i.numel for i in self.infos] + [self.padded_numel - self.numel]
-
-        full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for info, p in zip(self.infos, first):
-                full[info.offset : info.offset + info.numel].copy_(p.detach().reshape(-1))
-            if sync_module_states and world > 1:
-                dist.broadcast(full, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        shard = full[rank * self.shard_numel : (rank + 1) * self.shard_numel].clone() if sharded else full
-        if offload:
-            shard = shard.cpu()
-            if torch.cuda.is_available() and self.device.type == "cuda":
-                shard = shard.pin_memory()  # lets the host-to-device copy run async
-        self.flat_param = nn.Parameter(shard, requires_grad=self.requires_grad)
-        del full
+        self.flat_param = nn.Parameter(self._initial_shard(first, sync_module_states), requires_grad=self.requires_grad)
 
         # The original parameters leave their modules; their bytes are released even when
         # something (an optimizer built too early) still holds the Parameter objects.
@@ -161,6 +133,45 @@ class FlatParamUnit:
         self._gather_src = None  # keeps the device copy of an offloaded shard alive while gathering
         if self.requires_grad:
             self.full_param.register_post_accumulate_grad_hook(self._post_backward)
+
+    def _layout(self, params) -> list[torch.Tensor]:
+        """Where each parameter goes in the flat tensor; tied weights are stored once. Returns the distinct ones."""
+        uniq: dict[int, int] = {}  # id(param) -> index into infos
+        self.infos: list[_ParamInfo] = []
+        self.aliases: list[tuple[nn.Module, str, int]] = []  # tied weights: (module, name, info index)
+        offset = 0
+        first = []
+        for owner, name, p in params:
+            if id(p) in uniq:
+                self.aliases.append((owner, name, uniq[id(p)]))
+                continue
+            uniq[id(p)] = len(self.infos)
+            self.infos.append(_ParamInfo(owner, name, p.shape, p.numel(), offset))
+            first.append(p)
+            offset += p.numel()
+        self.dtype = first[0].dtype
+        self.requires_grad = first[0].requires_grad
+        self.numel = offset
+        return first
+
+    def _initial_shard(self, first: list[torch.Tensor], sync_module_states: bool) -> torch.Tensor:
+        """This rank's part of the flat tensor (rank 0's values everywhere with ``sync_module_states``)."""
+        full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for info, p in zip(self.infos, first):
+                full[info.offset : info.offset + info.numel].copy_(p.detach().reshape(-1))
+            if sync_module_states and self.world > 1:
+                src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+                dist.broadcast(full, src=src, group=self.group)
+        if self.strategy == ShardingStrategy.NO_SHARD:
+            shard = full
+        else:
+            shard = full[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel].clone()
+        if self.offload:
+            shard = shard.cpu()
+            if torch.cuda.is_available() and self.device.type == "cuda":
+                shard = shard.pin_memory()  # lets the host-to-device copy run async
+        return shard
 
     @staticmethod
     def check_params(module: nn.Module, params) -> None:

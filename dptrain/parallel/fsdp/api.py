@@ -128,20 +128,51 @@ class FullyShardedDataParallel(nn.Module):
         distributed = dist.is_available() and dist.is_initialized()
         self._world = dist.get_world_size(process_group) if distributed else 1
         self._rank = dist.get_rank(process_group) if distributed else 0
+        self.compute_device = self._place(module, device_id, distributed)
+        inner = self._check_nesting(module)
+        if self._world > 1:
+            verify_same_model(module, process_group, self._rank, "FullyShardedDataParallel")
+        if sync_module_states and self._world > 1:
+            with torch.no_grad():
+                src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+                for buf in module.buffers():
+                    dist.broadcast(buf, src=src, group=process_group)
+        self._state = RootState(bool(backward_prefetch))
+        self._key_order = record_key_order(module)
+        self._units: list[FlatParamUnit] = []
+        for m in inner:  # manually nested FSDP: their units become ours
+            m._is_root = False
+            self._units.extend(m._units)
+        self._units.extend(self._flatten_units(module, auto_wrap_policy, sync_module_states))
+        for unit in self._units:
+            unit.state = self._state
+        self._state.units = self._units
+        install_optimizer_check()
+        if self._world > 1 and strategy != ShardingStrategy.NO_SHARD and len(self._units) == 1:
+            env._warn_once_main(
+                "FSDP wraps only the root module: every forward and backward gathers the whole model, "
+                "so no memory is saved and no communication overlaps compute; pass an auto_wrap_policy, "
+                "e.g. auto_wrap_policy=ModuleTypePolicy({TransformerBlock})"
+            )
 
+    def _place(self, module: nn.Module, device_id: Any, distributed: bool) -> torch.device:
+        """The compute device: ``device_id`` (the module moves there), else where the module is."""
         if device_id is not None:
             device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
             module.to(device)
         else:
             first = next(iter(module.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
-        self.compute_device = device
-        if distributed and self._world > 1 and device.type == "cpu" and dist.get_backend(process_group) == "nccl":
+        if distributed and self._world > 1 and device.type == "cpu" and dist.get_backend(self.process_group) == "nccl":
             raise ValueError(
                 f"rank {self._rank}: FSDP over NCCL needs the model on a GPU, but its parameters are on the CPU; "
                 "pass device_id=dptrain.local_rank() (use cpu_offload=True to keep the shards in CPU memory)"
             )
+        return device
 
+    @staticmethod
+    def _check_nesting(module: nn.Module) -> list["FullyShardedDataParallel"]:
+        """FSDP wrappers nested inside ``module``; refuse modules flattened by a foreign wrapper."""
         inner = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         nested = {id(x) for f in inner for x in f.module.modules()}
         for name, sub in module.named_modules():
@@ -150,50 +181,30 @@ class FullyShardedDataParallel(nn.Module):
                     f"module '{name or type(module).__name__}' was already flattened by an FSDP wrapper that is not "
                     "part of this model; wrap the original model once (nest FSDP instances inside it instead)"
                 )
-        if self._world > 1:
-            verify_same_model(module, process_group, self._rank, "FullyShardedDataParallel")
-        if sync_module_states and self._world > 1:
-            with torch.no_grad():
-                src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-                for buf in module.buffers():
-                    dist.broadcast(buf, src=src, group=process_group)
+        return inner
 
-        self._state = RootState(bool(backward_prefetch))
-        self._key_order = record_key_order(module)
-        unit_modules = pick_units(module, auto_wrap_policy)
-        self._units: list[FlatParamUnit] = []
-        for m in inner:  # manually nested FSDP: their units become ours
-            m._is_root = False
-            self._units.extend(m._units)
+    def _flatten_units(self, module: nn.Module, policy: Any, sync_module_states: bool) -> list[FlatParamUnit]:
+        """Pick the units, check every one, then flatten them (a bad model raises untouched)."""
+        unit_modules = pick_units(module, policy)
         owner: dict[int, str] = {}
         names = module_names(module)
         unit_ids = {id(m) for m in unit_modules}
-        # Validate every unit before flattening any: a bad model raises and stays untouched.
         plan = [(m, owned_params(m, owner, names, unit_ids)) for m in unit_modules]
         plan = [(m, params) for m, params in plan if params]
         for m, params in plan:
             FlatParamUnit.check_params(m, params)
+        units = []
         for m, params in plan:
             unit = FlatParamUnit(
-                m, params, strategy, process_group, self._rank, self._world, device,
+                m, params, self.sharding_strategy, self.process_group, self._rank, self._world, self.compute_device,
                 self.cpu_offload, sync_module_states, self._state,
             )  # fmt: skip
             m.register_forward_pre_hook(unit.pre_forward, prepend=True)
             m.register_forward_hook(unit.post_forward)
             unit.is_root = m is module
             unit.name = names[id(m)] or "<root>"
-            self._units.append(unit)
-        for unit in self._units:
-            unit.state = self._state
-        self._state.units = self._units
-
-        install_optimizer_check()
-        if self._world > 1 and strategy != ShardingStrategy.NO_SHARD and len(self._units) == 1:
-            env._warn_once_main(
-                "FSDP wraps only the root module: every forward and backward gathers the whole model, "
-                "so no memory is saved and no communication overlaps compute; pass an auto_wrap_policy, "
-                "e.g. auto_wrap_policy=ModuleTypePolicy({TransformerBlock})"
-            )
+            units.append(unit)
+        return units
 
     def __getattr__(self, name: str) -> Any:
         # Attributes the wrapper lacks come from the wrapped model (as with torch's FSDP).
