@@ -74,9 +74,22 @@ def start_heartbeat(store, rank: int, interval: float = HEARTBEAT_S) -> None:
 
 
 def stop_heartbeat() -> None:
+    """Stop the heartbeat thread and wait until it has finished.
+
+    [Note: no thread in a store call at exit]
+    The wait has no time limit, on purpose. A thread that is still inside a C++ call (a
+    store write) when the interpreter finalizes is killed by ``pthread_exit`` as soon as it
+    asks for the GIL back; that unwinds through a ``noexcept`` C++ frame and ends the
+    process in ``std::terminate``: "terminate called without an active exception" and
+    SIGABRT, after the script has finished. Giving up after a few seconds (the thread
+    starved of CPU on a loaded machine) left exactly that window open. A store write does
+    not wait for the server's answer, so the thread always comes back quickly; ``init``
+    registers :func:`dptrain.shutdown` with ``atexit`` so this runs before finalization
+    even when a script never calls it.
+    """
     if _heartbeat:
         _heartbeat["stop"].set()
-        _heartbeat["thread"].join(2)
+        _heartbeat["thread"].join()
         _heartbeat.clear()
 
 
