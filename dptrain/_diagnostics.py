@@ -100,16 +100,20 @@ def reset() -> None:
     _progress.update(seq=0, op="", ticks=0)
 
 
-def read_heartbeats(store, world_size: int) -> dict[int, dict]:
-    """Every rank's last heartbeat that the store holds (ranks without one are absent)."""
+def _read_per_rank(store, name: str, world_size: int) -> dict[int, dict]:
     out = {}
     for r in range(world_size):
         try:
-            if store.check([f"hb/{r}"]):
-                out[r] = json.loads(store.get(f"hb/{r}"))
+            if store.check([f"{name}/{r}"]):
+                out[r] = json.loads(store.get(f"{name}/{r}"))
         except Exception:  # noqa: BLE001 - best effort: used only to explain a failure
             break
     return out
+
+
+def read_heartbeats(store, world_size: int) -> dict[int, dict]:
+    """Every rank's last heartbeat that the store holds (ranks without one are absent)."""
+    return _read_per_rank(store, "hb", world_size)
 
 
 def debug_enabled() -> bool:
@@ -199,8 +203,46 @@ def _who_is_missing(world_size: int) -> str:
     return "; ".join(lines)
 
 
+#: Seconds a failed collective waits for the launcher to publish a peer's exit.
+EXIT_WAIT_S = 2.0
+
+
+def read_exits(store, world_size: int) -> dict[int, dict]:
+    """Ranks whose exit the launcher published (``dptrain run`` does): rank -> {code, t}."""
+    return _read_per_rank(store, "exit", world_size)
+
+
+def _peer_exits(world_size: int) -> dict[int, dict]:
+    """Peers that have exited, as the launcher saw them.
+
+    A collective fails the moment a peer's connections close, which is a few milliseconds
+    before its launcher (polling every 50 ms) writes down the exit: wait a little for it.
+    Only where a launcher publishes exits at all, or the wait would be for nothing.
+    """
+    store = env._store()
+    if store is None:
+        return {}
+    me = dist.get_rank()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    try:
+        if not store.check(["exit/published"]):
+            return {}
+        while True:
+            exits = {r: e for r, e in read_exits(store, world_size).items() if r != me}
+            if exits or time.monotonic() >= deadline:
+                return exits
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - best effort: used only to explain a failure
+        return {}
+
+
 def explain_failure(name: str, exc: BaseException, group: Any = None) -> BaseException:
-    """Wrap a failed collective's exception with this rank, the operation and who is missing."""
+    """Wrap a failed collective's exception with this rank, the operation and who is missing.
+
+    When a peer has already exited (as ``dptrain run`` publishes), that is the reason
+    given: "rank 1: all_reduce #7 failed: rank 0 exited with code 0 3s ago (...)".
+    """
+    from dptrain._rendezvous import _describe_exit
     from dptrain.comm import CollectiveError
 
     if isinstance(exc, (CollectiveMismatchError, CollectiveError, ValueError, TypeError)):
@@ -209,11 +251,21 @@ def explain_failure(name: str, exc: BaseException, group: Any = None) -> BaseExc
     me = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     timeout = env._timeout().total_seconds()
-    missing = _who_is_missing(world) if group is None else ""
+    cause = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+    exits = _peer_exits(world) if world > 1 else {}
+    missing = _who_is_missing(world) if group is None and not exits else ""
     leave()
+    if exits:
+        now = time.time()
+        gone = "; ".join(f"rank {r} {_describe_exit(e['code'])} {max(0.0, now - e['t']):.0f}s ago"
+                         for r, e in sorted(exits.items()))
+        return CollectiveError(
+            f"rank {me}: {name} #{_progress['seq']} failed: {gone} ({cause}). Every rank must make the same "
+            f"collective calls to the end: a rank that returns or exits early leaves the others without a partner"
+        )
     detail = f" {missing}." if missing else ""
     return CollectiveError(
-        f"rank {me}: {name} #{_progress['seq']} failed ({type(exc).__name__}: {str(exc).strip()[:300]}).{detail} "
+        f"rank {me}: {name} #{_progress['seq']} failed ({cause}).{detail} "
         f"A peer rank exited, stalled for more than the {timeout:.0f}s timeout, or called a different "
         f"collective (rerun with DPTRAIN_DEBUG=1 to compare collectives across ranks)"
     )

@@ -130,6 +130,25 @@ def test_stall_report_names_the_rank_without_progress():
     assert "has made no progress for" in seen and "outside any collective after #0, 0 steps" in seen
 
 
+def test_a_rank_that_exits_0_early_is_reported_once_not_as_a_stall():
+    out = dptrain_run("--nproc-per-node", "2", os.path.join(SCRIPTS, "early_exit.py"), "work", "4",
+                      env={"DPTRAIN_STALL_REPORT_S": "1", "DPTRAIN_HEARTBEAT_S": "0.2"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "[rank1] rank 1 done" in out.stdout
+    reports = [line for line in out.stderr.splitlines() if "still running" in line]
+    assert len(reports) == 1, out.stderr
+    assert reports[0].startswith("dptrain run: rank 0 exited with code 0 while rank 1 is still running, ")
+    assert "(rank 1: outside any collective after #1" in reports[0]
+    assert "has made no progress" not in out.stderr
+
+
+def test_a_collective_that_fails_because_a_peer_exited_says_so():
+    out = dptrain_run("--nproc-per-node", "2", os.path.join(SCRIPTS, "early_exit.py"), "all_reduce", timeout=120)
+    assert out.returncode == 1
+    assert "rank 1: all_reduce #2 failed: rank 0 exited with code 0 " in out.stderr, out.stderr
+    assert "dptrain run: rank 1 (local rank 1" in out.stderr and "(after rank(s) 0 had exited with code 0)" in out.stderr
+
+
 def test_max_restarts_restarts_the_whole_job():
     out = dptrain_run("--nproc-per-node", "2", "--max-restarts", "2", os.path.join(SCRIPTS, "flaky.py"), "1")
     assert out.returncode == 0, out.stderr
