@@ -197,11 +197,13 @@ class Relay:
 
     def _run(self) -> None:
         fd = self._pipe.fileno()
+        poller = select.poll()  # not select(): that fails on descriptors above 1023
+        poller.register(fd, select.POLLIN)
         while True:
             if self._pending:
                 # Lines mode: write a held-back update once its turn comes, data or not.
                 wait = self._last_emit + self._every_s - time.monotonic()
-                if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                if wait <= 0 or not poller.poll(wait * 1000):
                     self._write_lines([], self._take_pending())
                     continue
             try:
@@ -210,7 +212,11 @@ class Relay:
                 data = b""
             if not data:
                 break
-            self._on_data(data)
+            try:
+                self._on_data(data)
+            except Exception as exc:  # noqa: BLE001 - never stop reading: the rank would block
+                self._show = False
+                self._console.emit(self, 1, [self._prefix + f"(output no longer shown: {exc!r})".encode()])
         self._on_end()
         self._pipe.close()
 

@@ -130,11 +130,18 @@ class _RankProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def finish_output(self, timeout: float = 5.0) -> None:
-        """Wait until everything the rank wrote is shown (its pipes reach their end)."""
-        deadline = time.monotonic() + timeout
+    def finish_output(self, deadline: float) -> None:
+        """Wait until everything the rank wrote is shown (its pipes reach their end), or ``deadline``."""
         for relay in self._relays:
             relay.join(max(0.0, deadline - time.monotonic()))
+
+
+def _finish_output(ranks: Sequence[_RankProcess], timeout_s: float = 5.0) -> None:
+    # A pipe ends once every process holding it has exited; only a child that left the
+    # rank's process group (and so was not stopped with it) can hold it longer.
+    deadline = time.monotonic() + timeout_s
+    for r in ranks:
+        r.finish_output(deadline)
 
 
 def _stop_ranks(ranks: Sequence[_RankProcess], grace_s: float = GRACE_S,
@@ -439,8 +446,7 @@ class _Job:
                     if code != 0:
                         return r, None
             if not running:
-                for r in self.ranks:
-                    r.finish_output()
+                _finish_output(self.ranks)
                 return None, None
             polls += 1
             if polls % _STALL_EVERY == 0:
@@ -459,8 +465,8 @@ class _Job:
         """Stop every rank (a second signal cuts the grace period short) and show their last output."""
         count = self.signals.count
         _stop_ranks(self.ranks, hurry=lambda: self.signals.count > count)
+        _finish_output(self.ranks)
         for r in self.ranks:
-            r.finish_output()
             self.janitor.tell("forget", r.proc.pid)
 
     def report_failure(self, attempt: int, failed: _RankProcess | None, peer: str | None) -> int:

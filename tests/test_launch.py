@@ -85,10 +85,12 @@ def test_single_node_rendezvous_listens_on_loopback_only():
     assert "[rank0] LISTEN 127.0.0.1" in out.stdout
 
 
-def test_a_failing_rank_stops_the_job_in_seconds_and_is_named():
+def test_a_failing_rank_stops_the_job_in_seconds_and_is_named(tmp_path):
     t0 = time.monotonic()
-    out = dptrain_run("--nproc-per-node", "3", os.path.join(SCRIPTS, "fail_one_rank.py"), "sleep")
+    out = dptrain_run("--nproc-per-node", "3", os.path.join(SCRIPTS, "fail_one_rank.py"), "sleep",
+                      env={"TMPDIR": str(tmp_path)})
     elapsed = time.monotonic() - t0
+    assert not list(tmp_path.iterdir())  # the launcher's error-file directory is gone
     assert out.returncode == 1
     assert "dptrain run: rank 1 (local rank 1" in out.stderr and "exited with code 1" in out.stderr
     assert "--- last lines of rank 1 ---" in out.stderr and "rank one is broken on purpose" in out.stderr
@@ -176,13 +178,15 @@ def test_bad_input_gets_a_one_line_error(args, message):
     assert message in out.stderr
 
 
-def test_port_in_use_is_reported():
+def test_port_in_use_is_reported(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        out = dptrain_run("--master-port", str(port), os.path.join(SCRIPTS, "dump_env.py"))
+        out = dptrain_run("--master-port", str(port), os.path.join(SCRIPTS, "dump_env.py"),
+                          env={"TMPDIR": str(tmp_path)})
     assert out.returncode == 2
+    assert not list(tmp_path.iterdir())
     assert f"port {port} on 127.0.0.1 is not available" in out.stderr and "--master-port" in out.stderr
 
 
