@@ -30,7 +30,10 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from dptrain.env import World
 
 #: Seconds ``init`` waits silently before it says what it is waiting for.
 WAIT_REPORT_S = float(os.environ.get("DPTRAIN_WAIT_REPORT_S", "30"))
@@ -68,7 +71,7 @@ class JoinWatch:
     count themselves in under (``joined``, ``ready``); it is called only when a report is due.
     """
 
-    def __init__(self, world: Any, timeout_s: float, open_reader: Callable[[], Any],
+    def __init__(self, world: World, timeout_s: float, open_reader: Callable[[], Any],
                  report_s: float | None = None) -> None:
         self.world = world
         self.timeout_s = timeout_s

@@ -8,12 +8,14 @@ chunks as they come and splits them on ``\\r`` and ``\\n``: text followed by ``\
 finished line; text after a ``\\r`` is an update of the line in progress. Where the update
 goes depends on who watches:
 
-* a terminal: the update is drawn in place (``\\r[rank0] 42%|####  |``), cut to the width
-  of the terminal so that the ``\\r`` of the next update returns to its start; a finished
-  line from any rank first erases the line in progress and then draws it again below;
-* a pipe or a file: updates become ordinary prefixed lines, at most one per stream every
-  ``DPTRAIN_PROGRESS_EVERY_S`` seconds (default 5), always the newest, and the last state
-  is never dropped -- so a log of a long epoch shows its progress without a line per step.
+* a terminal: each rank's line in progress is drawn in place (``[rank0] 42%|####  |``),
+  one line per rank at the bottom of the screen, each cut to the terminal's width so that
+  the cursor can find them again; a finished line of any rank (or of the launcher) erases
+  them, is written, and they are drawn again below it;
+* a pipe or a file: updates become ordinary prefixed lines, at most one per rank and
+  stream every ``DPTRAIN_PROGRESS_EVERY_S`` seconds (default 5), always the newest, and
+  the last state is never dropped -- so a log of a long epoch shows its progress without
+  a line per step.
 
 Bytes pass through undecoded (``\\r`` and ``\\n`` never occur inside a UTF-8 sequence);
 only an in-place line is decoded, to be cut to the terminal's width.
@@ -75,17 +77,14 @@ class Console:
             # Stop writing there, but keep reading: a rank blocked on a full pipe would hang.
             self._broken[index] = True
 
-    def _size(self, index: int) -> tuple[int, int]:
+    def size(self, index: int) -> tuple[int, int]:
+        """(columns, rows) of stream ``index`` if it is a terminal ((80, 24) when it cannot tell)."""
         try:
             size = os.get_terminal_size(self._streams[index].fileno())
             columns, rows = size.columns, size.lines
         except (OSError, ValueError, AttributeError):
             columns, rows = 0, 0
         return columns if columns > 0 else 80, rows if rows > 0 else 24
-
-    def width(self, index: int) -> int:
-        """Columns of stream ``index`` if it is a terminal (80 when it cannot tell)."""
-        return self._size(index)[0]
 
     def _erase(self) -> bytes:
         if not self._drawn:
@@ -95,7 +94,7 @@ class Console:
         return b"\r" + up + b"\x1b[J"  # to the first line in progress, clear to the end of the screen
 
     def _draw(self) -> bytes:
-        columns, rows = self._size(self._area)
+        columns, rows = self.size(self._area)
         entries = [text for _, text in sorted(self._live.values(), key=lambda e: e[0])]
         room = max(1, min(len(entries), rows - 1, _MAX_LIVE))
         if len(entries) > room:

@@ -392,6 +392,11 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     ``init`` again is a no-op that returns the same world. A process group created by
     the user with ``torch.distributed.init_process_group`` is adopted as it is.
 
+    ``init`` returns once every rank of the job has joined. While it waits, local rank 0
+    of each node says on stderr what for -- the rendezvous address, whether it answers,
+    how many ranks joined and which are missing -- after ``DPTRAIN_WAIT_REPORT_S`` seconds
+    (default 30) and again as often.
+
     Args:
         backend: ``"gloo"``, ``"nccl"`` or ``None`` (default): NCCL when CUDA is available
             with a device for every local rank, otherwise gloo.
@@ -403,6 +408,8 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
 
     Raises:
         ValueError: a launcher variable is missing or malformed, or ``backend`` is unknown.
+        RuntimeError: the job could not be joined within the timeout; the message names
+            the rank, the address and the ranks that never arrived.
 
     Example:
         >>> import dptrain

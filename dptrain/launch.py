@@ -337,10 +337,11 @@ class _Job:
         watching = "tty" if self.console.tty[1] else "lines"
         environ["DPTRAIN_PROGRESS"] = watching if show else "off"
         if watching == "tty" and show and "COLUMNS" not in environ:
-            # A bar sized for the terminal minus the "[rankN] " prefix (tqdm reads COLUMNS
-            # when its own stream is a pipe).
-            width = self.console.width(1) - len(f"[rank{rank}] ")
-            environ["COLUMNS"] = str(max(width, 20))
+            # Output sized for the terminal minus the "[rankN] " prefix, for what asks
+            # shutil.get_terminal_size (it reads COLUMNS and LINES when stdout is a pipe).
+            columns, rows = self.console.size(1)
+            environ["COLUMNS"] = str(max(columns - len(f"[rank{rank}] "), 20))
+            environ.setdefault("LINES", str(rows))
         os.makedirs(os.path.dirname(environ["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
         return environ
 
@@ -483,8 +484,9 @@ class _Job:
         else:
             code = 1
             what = f"a rank of another node failed ({peer})"
-        others = [r for r in self.ranks if r is not failed]
-        self.log(f"dptrain run: {what}; stopping the other {len(others)} rank(s) of this node")
+        running = [r for r in self.ranks if r is not failed and r.poll() is None]
+        stopping = f"; stopping the other {len(running)} rank(s) of this node" if running else ""
+        self.log(f"dptrain run: {what}{stopping}")
         self.stop_all()
         if failed is not None:
             tb = _read_error_file(os.path.join(self.error_dir, f"attempt_{attempt}", str(failed.rank), "error.json"))
