@@ -109,15 +109,19 @@ def test_without_terminal_updates_become_throttled_prefixed_lines():
     assert len(lines) <= 2 and lines[-1] == "[rank0] 100%|##########|", lines
 
 
+def eventually(condition, timeout=20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
 def test_without_terminal_the_newest_update_is_written_when_its_turn_comes():
-    err, (w,), relays, _ = relay_pipes(tty=False, every_s=0.3)
+    err, (w,), relays, _ = relay_pipes(tty=False, every_s=2.0)
     os.write(w, b"\rstep 1")
-    time.sleep(0.05)
-    os.write(w, b"\rstep 2")
-    os.write(w, b"\rstep 3")  # no more output: the relay must still show it after 0.3 s
-    deadline = time.monotonic() + 10
-    while "step 3" not in err.text() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert eventually(lambda: "step 1" in err.text())  # the first update: at once
+    os.write(w, b"\rstep 2\rstep 3")  # then nothing more: the newest must still come out
+    assert eventually(lambda: "step 3" in err.text())
     assert err.text().splitlines() == ["[rank0] step 1", "[rank0] step 3"]
     finish([w], relays)
     assert err.text().splitlines() == ["[rank0] step 1", "[rank0] step 3"]  # not twice
@@ -134,20 +138,20 @@ def test_output_left_without_a_newline_is_never_lost():
 def test_on_a_terminal_each_rank_redraws_its_own_line_in_place():
     err, (w0, w1), relays, _ = relay_pipes(tty=True, ranks=(0, 1))
     os.write(w0, b"\rep 1: 10%")
-    time.sleep(0.1)
+    assert eventually(lambda: screen(err.text()) == ["[rank0] ep 1: 10%"])
     os.write(w1, b"\rep 1: 20%")
-    time.sleep(0.1)
     os.write(w0, b"\rep 1: 30%")
-    time.sleep(0.1)
-    assert screen(err.text()) == ["[rank0] ep 1: 30%", "[rank1] ep 1: 20%"]
+    assert eventually(lambda: screen(err.text()) == ["[rank0] ep 1: 30%", "[rank1] ep 1: 20%"]), err.text()
     # As tqdm.write does: back to the start of the bar, the line, then the bar again. The
     # line goes above the lines in progress.
     os.write(w1, b"\ra finished line\n\rep 1: 40%")
-    time.sleep(0.1)
-    assert screen(err.text()) == ["[rank1] a finished line", "[rank0] ep 1: 30%", "[rank1] ep 1: 40%"]
+    expected = ["[rank1] a finished line", "[rank0] ep 1: 30%", "[rank1] ep 1: 40%"]
+    assert eventually(lambda: screen(err.text()) == expected), err.text()
     os.write(w0, b"\rep 1: 100%\n")
+    expected = ["[rank1] a finished line", "[rank0] ep 1: 100%", "[rank1] ep 1: 40%"]
+    assert eventually(lambda: screen(err.text()) == expected), err.text()
     finish([w0, w1], relays)  # rank 1 ends without finishing its line: it stays, for good
-    assert screen(err.text()) == ["[rank1] a finished line", "[rank0] ep 1: 100%", "[rank1] ep 1: 40%"]
+    assert screen(err.text()) == expected
 
 
 # ----------------------------------------------------------------------- end to end --
@@ -226,6 +230,6 @@ def test_without_a_terminal_progress_is_a_line_now_and_then(tmp_path):
     assert "\r" not in text
     for rank in (0, 1):
         mine = [line for line in text.splitlines() if line.startswith(f"[rank{rank}] step")]
-        assert 2 <= len(mine) <= 3, mine  # not one line per update
+        assert 2 <= len(mine) <= 4, mine  # not a line per update (that would be 7)
         assert mine[-2:] == [f"[rank{rank}] step 5/5 |#####|", f"[rank{rank}] step 5/5 |#####| done"]
         assert f"[rank{rank}] progress mode lines" in out.decode()
