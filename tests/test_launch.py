@@ -10,8 +10,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 import dptrain
+import dptrain.comm
 from dptrain.launch import LaunchConfig, RankFailedError
 from tests._dist import run_ranks
 
@@ -149,6 +151,17 @@ def test_a_collective_that_fails_because_a_peer_exited_says_so():
     assert out.returncode == 1
     assert "rank 1: all_reduce #2 failed: rank 0 exited with code 0 " in out.stderr, out.stderr
     assert "dptrain run: rank 1 (local rank 1" in out.stderr and "(after rank(s) 0 had exited with code 0)" in out.stderr
+
+
+def _return_early(rank):
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 has shut down by now
+        dptrain.comm.all_reduce(torch.ones(1))
+
+
+def test_without_dptrain_run_a_failed_collective_still_names_the_peer_that_left():
+    with pytest.raises(RankFailedError, match=r"rank 1: all_reduce #1 failed: rank 0 shut down \d+s ago"):
+        run_ranks(_return_early, 2)
 
 
 def test_max_restarts_restarts_the_whole_job():
