@@ -109,8 +109,8 @@ class JoinWatch:
         head = f"rank {w.rank} of {w.world_size} has waited {waited:.0f}s"
         if not self.connected:
             why = probe(w.master_addr, w.master_port) or (
-                "a server answers there, but not as a rendezvous store (is MASTER_PORT the job's port, "
-                "not another service's?)")
+                "a server answers there now and the connection is being retried (if this lasts, "
+                "MASTER_PORT may be another service's port)")
             return (f"{head} to reach the rendezvous store at {where} (MASTER_ADDR:MASTER_PORT): {why}. "
                     f"Is the job's first node up, and is {w.master_addr} its address as seen from this "
                     f"node?{self._slurm_hint()}")
