@@ -276,8 +276,13 @@ class _Job:
             self._wait_for_master(timeout)
             import torch.distributed as dist
 
-            self.store = dist.TCPStore(self.host, config.master_port, None, False,
-                                       timeout=datetime.timedelta(seconds=timeout))
+            try:
+                self.store = dist.TCPStore(self.host, config.master_port, None, False,
+                                           timeout=datetime.timedelta(seconds=timeout))
+            except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
+                raise ValueError(f"node {config.node_rank} reached {self.host}:{config.master_port} but no "
+                                 f"rendezvous store answered there ({str(exc).strip()[:200]}); is --master-port "
+                                 f"the port that `dptrain run --node-rank 0` listens on?") from None
         self.port = self.server.port if self.server else config.master_port
 
     def _wait_for_master(self, timeout: float) -> None:
