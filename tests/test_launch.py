@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -14,6 +15,7 @@ import torch
 
 import dptrain
 import dptrain.comm
+import dptrain.launch
 from dptrain.launch import LaunchConfig, RankFailedError
 from tests._dist import run_ranks
 
@@ -201,6 +203,19 @@ def test_port_in_use_is_reported(tmp_path):
     assert out.returncode == 2
     assert not list(tmp_path.iterdir())
     assert f"port {port} on 127.0.0.1 is not available" in out.stderr and "--master-port" in out.stderr
+
+
+def test_a_node_that_cannot_reach_node_0_says_what_it_waits_for(tmp_path):
+    port = dptrain.launch.free_port()
+    out = dptrain_run("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                      "--timeout", "3", os.path.join(SCRIPTS, "dump_env.py"),
+                      env={"DPTRAIN_WAIT_REPORT_S": "1", "TMPDIR": str(tmp_path)})
+    where = f"node 0's rendezvous at 127.0.0.1:{port}"
+    assert re.search(rf"dptrain run: node 1 has waited \d+s for {re.escape(where)}: nothing listens there yet "
+                     r"\(connection refused\)", out.stderr), out.stderr
+    assert out.stderr.count("dptrain run: node 1 has waited") >= 2
+    assert f"dptrain run: error: node 1 could not reach {where} within 3s" in out.stderr
+    assert out.returncode == 2 and not list(tmp_path.iterdir())
 
 
 def test_launch_config_validates():

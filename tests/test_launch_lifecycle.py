@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads processes from /proc")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLEEPY = os.path.join(ROOT, "tests", "scripts", "sleepy_workers.py")
 
@@ -95,7 +97,6 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
     assert f"dptrain run: the launcher (pid {proc.pid}) died; stopping its 2 rank(s)" in err
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_ranks_die_with_the_launcher_even_without_the_janitor(tmp_path):
     proc, pids = start_job(tmp_path)
     ranks = pids[0::2]  # a rank's DataLoader worker stops by itself once its rank is gone
