@@ -1,7 +1,9 @@
 """Argument parsing for the ``dptrain`` command (``python -m dptrain`` too).
 
 ``dptrain run`` mirrors torchrun's flags; both ``--nproc-per-node`` and ``--nproc_per_node``
-spellings are accepted, as torchrun accepts them.
+spellings are accepted, as torchrun accepts them. The launcher's flags come before the
+script; every word after the script is the script's, passed on untouched
+(``dptrain run train.py --log x`` gives ``--log x`` to ``train.py``).
 """
 
 from __future__ import annotations
