@@ -30,7 +30,7 @@ _seq: dict[str, int] = {}
 
 # What this rank is doing, published by the heartbeat thread: collectives entered so far,
 # the one it is in ("" when outside), and progress ticks (training steps).
-_progress = {"seq": 0, "op": "", "ticks": 0}
+_progress = {"seq": 0, "op": "", "ticks": 0, "failed": False}
 
 #: Seconds between heartbeats (``DPTRAIN_HEARTBEAT_S``).
 HEARTBEAT_S = float(os.environ.get("DPTRAIN_HEARTBEAT_S", "2"))
@@ -74,29 +74,57 @@ def start_heartbeat(store, rank: int, interval: float = HEARTBEAT_S) -> None:
 
 
 def stop_heartbeat() -> None:
+    """Stop the heartbeat thread and wait until it has finished.
+
+    [Note: no thread in a store call at exit]
+    The wait has no time limit, on purpose. A thread that is still inside a C++ call (a
+    store write) when the interpreter finalizes is killed by ``pthread_exit`` as soon as it
+    asks for the GIL back; that unwinds through a ``noexcept`` C++ frame and ends the
+    process in ``std::terminate``: "terminate called without an active exception" and
+    SIGABRT, after the script has finished. Giving up after a few seconds (the thread
+    starved of CPU on a loaded machine) left exactly that window open. A store write does
+    not wait for the server's answer, so the thread always comes back quickly; ``init``
+    registers :func:`dptrain.shutdown` with ``atexit`` so this runs before finalization
+    even when a script never calls it.
+    """
     if _heartbeat:
         _heartbeat["stop"].set()
-        _heartbeat["thread"].join(2)
+        _heartbeat["thread"].join()
         _heartbeat.clear()
 
 
 def reset() -> None:
-    """Forget this process's job: stop the heartbeat, zero the counters (a later init starts over)."""
+    """Forget this process's job: stop the heartbeat, zero the counters (a later init starts over).
+
+    Also notes in the store that this rank is leaving (``left/<rank>``), before its
+    connections close, and whether a collective of its own had failed: a peer whose
+    collective then fails can say why (see :func:`explain_failure`), under any launcher.
+    """
+    store = env._store()
+    if store is not None and dist.is_initialized():
+        try:
+            store.set(f"left/{dist.get_rank()}", json.dumps({"t": time.time(), "after_failure": _progress["failed"]}))
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to tell
+            pass
     stop_heartbeat()
     _seq.clear()
-    _progress.update(seq=0, op="", ticks=0)
+    _progress.update(seq=0, op="", ticks=0, failed=False)
+
+
+def _read_per_rank(store, name: str, world_size: int) -> dict[int, dict]:
+    out = {}
+    for r in range(world_size):
+        try:
+            if store.check([f"{name}/{r}"]):
+                out[r] = json.loads(store.get(f"{name}/{r}"))
+        except Exception:  # noqa: BLE001 - best effort: used only to explain a failure
+            break
+    return out
 
 
 def read_heartbeats(store, world_size: int) -> dict[int, dict]:
     """Every rank's last heartbeat that the store holds (ranks without one are absent)."""
-    out = {}
-    for r in range(world_size):
-        try:
-            if store.check([f"hb/{r}"]):
-                out[r] = json.loads(store.get(f"hb/{r}"))
-        except Exception:  # noqa: BLE001 - best effort: used only to explain a failure
-            break
-    return out
+    return _read_per_rank(store, "hb", world_size)
 
 
 def debug_enabled() -> bool:
@@ -186,8 +214,59 @@ def _who_is_missing(world_size: int) -> str:
     return "; ".join(lines)
 
 
+#: Seconds a failed collective waits for the launcher to publish the exit of a peer that left.
+EXIT_WAIT_S = 5.0
+
+
+def read_exits(store, world_size: int) -> dict[int, dict]:
+    """Ranks whose exit the launcher published (``dptrain run`` does): rank -> {code, t}."""
+    return _read_per_rank(store, "exit", world_size)
+
+
+def _peers_gone(world_size: int) -> dict[int, str]:
+    """Peers that have left the job, in words: "exited with code 0 3s ago".
+
+    A collective fails the moment a peer's connections close; the peer wrote ``left/<rank>``
+    just before (:func:`reset`), and its launcher, if it publishes exits, writes the exit
+    code once the process is gone -- a moment later (it polls every 50 ms; the interpreter's
+    exit takes a while). So wait a little for the code of a peer known to be leaving.
+    """
+    from dptrain._rendezvous import _describe_exit
+
+    store = env._store()
+    if store is None:
+        return {}
+    me = dist.get_rank()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    try:
+        published = store.check(["exit/published"])
+        while True:
+            left = _read_per_rank(store, "left", world_size)
+            # A peer that left after a collective of its own failed shares our fate; it is
+            # not the cause (several ranks time out waiting for the same stalled one).
+            victims = {r for r, e in left.items() if e.get("after_failure")} | {me}
+            left = {r: e for r, e in left.items() if r not in victims}
+            exits = {r: e for r, e in read_exits(store, world_size).items() if r not in victims}
+            waiting = published and (set(left) - set(exits) or not (left or exits))
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - best effort: used only to explain a failure
+        return {}
+    now = time.time()
+    gone = {r: f"{_describe_exit(e['code'])} {max(0.0, now - e['t']):.0f}s ago" for r, e in exits.items()}
+    for r, e in left.items():
+        gone.setdefault(r, f"shut down {max(0.0, now - e['t']):.0f}s ago (it returned or called dptrain.shutdown())")
+    return gone
+
+
 def explain_failure(name: str, exc: BaseException, group: Any = None) -> BaseException:
-    """Wrap a failed collective's exception with this rank, the operation and who is missing."""
+    """Wrap a failed collective's exception with this rank, the operation and who is missing.
+
+    When a peer has already left, that is the reason given: "rank 1: all_reduce #7 failed:
+    rank 0 exited with code 0 3s ago (...)" where the launcher publishes exits
+    (``dptrain run``), else "rank 0 shut down 3s ago".
+    """
     from dptrain.comm import CollectiveError
 
     if isinstance(exc, (CollectiveMismatchError, CollectiveError, ValueError, TypeError)):
@@ -196,11 +275,20 @@ def explain_failure(name: str, exc: BaseException, group: Any = None) -> BaseExc
     me = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     timeout = env._timeout().total_seconds()
-    missing = _who_is_missing(world) if group is None else ""
+    cause = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+    _progress["failed"] = True
+    gone = _peers_gone(world) if world > 1 else {}
+    missing = _who_is_missing(world) if group is None and not gone else ""
     leave()
+    if gone:
+        said = "; ".join(f"rank {r} {what}" for r, what in sorted(gone.items()))
+        return CollectiveError(
+            f"rank {me}: {name} #{_progress['seq']} failed: {said} ({cause}). Every rank must make the same "
+            f"collective calls to the end: a rank that returns or exits early leaves the others without a partner"
+        )
     detail = f" {missing}." if missing else ""
     return CollectiveError(
-        f"rank {me}: {name} #{_progress['seq']} failed ({type(exc).__name__}: {str(exc).strip()[:300]}).{detail} "
+        f"rank {me}: {name} #{_progress['seq']} failed ({cause}).{detail} "
         f"A peer rank exited, stalled for more than the {timeout:.0f}s timeout, or called a different "
         f"collective (rerun with DPTRAIN_DEBUG=1 to compare collectives across ranks)"
     )

@@ -1,7 +1,9 @@
 """Argument parsing for the ``dptrain`` command (``python -m dptrain`` too).
 
 ``dptrain run`` mirrors torchrun's flags; both ``--nproc-per-node`` and ``--nproc_per_node``
-spellings are accepted, as torchrun accepts them.
+spellings are accepted, as torchrun accepts them. The launcher's flags come before the
+script; every word after the script is the script's, passed on untouched
+(``dptrain run train.py --log x`` gives ``--log x`` to ``train.py``).
 """
 
 from __future__ import annotations
@@ -11,22 +13,53 @@ import os
 import sys
 from typing import Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "parse_args"]
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line that says where help is."""
+    """An argument parser whose errors are one line that says where help is.
+
+    Never abbreviates: ``--log`` must not be taken for ``--log-ranks``. (A script's own
+    arguments never reach it anyway: see :func:`_split_at_program`.)
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self.value_options: dict[str, bool] = {}  # option spelling -> it consumes the next word
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
-    """Add ``--a-b`` together with its ``--a_b`` spelling."""
-    spellings = [name]
-    if "-" in name[2:]:
-        spellings.append("--" + name[2:].replace("-", "_"))
-    parser.add_argument(*spellings, **kwargs)
+def _flag(parser: _Parser, *names: str, **kwargs) -> None:
+    """Add an option; ``--a-b`` also gets its ``--a_b`` spelling."""
+    spellings = list(names)
+    for name in names:
+        if name.startswith("--") and "-" in name[2:]:
+            spellings.append("--" + name[2:].replace("-", "_"))
+    action = parser.add_argument(*spellings, **kwargs)
+    parser.value_options.update({s: action.nargs != 0 for s in spellings})
+
+
+def _split_at_program(words: Sequence[str], takes_value: dict[str, bool]) -> tuple[list[str], list[str]]:
+    """Split ``[launcher options..., program, script args...]`` after the program.
+
+    Everything after the program belongs to the script, verbatim: argparse would otherwise
+    read a script's ``--log`` as ours, or fail on it. An unknown option before the program
+    stays on the launcher's side, where argparse rejects it with a clear message.
+    """
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--":
+            return list(words[: i + 2]), list(words[i + 2 :])
+        if not word.startswith("-") or word == "-":
+            return list(words[: i + 1]), list(words[i + 1 :])
+        name = word.split("=", 1)[0] if word.startswith("--") else word[:2]
+        attached = "=" in word if word.startswith("--") else len(word) > 2
+        i += 2 if takes_value.get(name) and not attached else 1
+    return list(words), []
 
 
 def _nproc(value: str) -> int:
@@ -72,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(run, "--log-ranks", type=_ranks, default=None, metavar="R[,R...]", help="show only these ranks' output")
     _flag(run, "--max-restarts", type=int, default=0, help="restart the whole job this many times on failure")
     _flag(run, "--timeout", type=float, default=None, help="seconds a collective may wait (default 600)")
-    run.add_argument("--debug", action="store_true", help="cross-check every collective across ranks")
+    _flag(run, "--debug", action="store_true", help="cross-check every collective across ranks")
     _flag(run, "--standalone", action="store_true", help="accepted for torchrun compatibility (single node)")
-    run.add_argument("-m", "--module", action="store_true", help="run the program as a module (python -m)")
+    _flag(run, "-m", "--module", action="store_true", help="run the program as a module (python -m)")
     run.add_argument("program", help="the training script (or module with -m)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -86,16 +119,37 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(slurm, "--job-name", default="dptrain", help="job name (default dptrain)")
     _flag(slurm, "--time", default="01:00:00", help="time limit (default 01:00:00)")
     _flag(slurm, "--partition", default=None, help="partition to submit to")
-    slurm.add_argument("-o", "--output", default=None, help="write here instead of printing")
+    _flag(slurm, "-o", "--output", default=None, help="write here instead of printing")
     slurm.add_argument("program", help="the training script")
     slurm.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.script_commands = {"run": run, "slurm-script": slurm}  # type: ignore[attr-defined]
     return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a ``dptrain`` command line; the words after the script are the script's, untouched.
+
+    Example:
+        >>> parse_args(["run", "--nproc-per-node", "2", "train.py", "--log", "x"]).args
+        ['--log', 'x']
+    """
+    parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    command = next((i for i, w in enumerate(words) if not w.startswith("-")), None)
+    script_args: list[str] = []
+    sub = parser.script_commands.get(words[command]) if command is not None else None  # type: ignore[attr-defined]
+    if sub is not None:
+        head, script_args = _split_at_program(words[command + 1 :], sub.value_options)
+        words = words[: command + 1] + head
+    ns = parser.parse_args(words)
+    if sub is not None:
+        ns.args = script_args
+    return ns
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dptrain`` console script."""
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parse_args(argv)
     if ns.command == "run":
         from dptrain.launch import LaunchConfig, run_job
 
@@ -132,8 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             sys.stdout.write(text)
         return 0
-    parser.error(f"unknown command {ns.command!r}")
-    return 2
+    return 2  # argparse rejects unknown commands before this
 
 
 if __name__ == "__main__":

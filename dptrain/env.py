@@ -351,6 +351,38 @@ def _make_store(world: World, timeout: datetime.timedelta) -> dist.Store:
     )
 
 
+def _prefixed(base: dist.Store, world: World, part: str) -> dist.Store:
+    # Keys of one launch attempt never collide with a restarted attempt's; "dp" keeps
+    # dptrain's own keys (heartbeats, join counts, debug checks) apart from the process
+    # group's ("pg"). The launcher reads and writes the same "dp" keys (launch.dist_prefix).
+    return dist.PrefixStore(part, dist.PrefixStore(f"dptrain/attempt{world.restart_count}", base))
+
+
+def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
+    """Connect to the store and create the process group, saying what it waits for if it waits."""
+    from dptrain import _join
+
+    def open_reader() -> dist.Store:
+        reader = dist.TCPStore(world.master_addr, world.master_port, None, False,
+                               timeout=datetime.timedelta(seconds=5))
+        return _prefixed(reader, world, "dp")
+
+    watch = _join.JoinWatch(world, td.total_seconds(), open_reader)
+    try:
+        base = _make_store(world, td)
+        watch.connected = True
+        keys = _prefixed(base, world, "dp")
+        keys.append("joined", f"{world.rank},")
+        dist.init_process_group(backend, store=_prefixed(base, world, "pg"), rank=world.rank,
+                                world_size=world.world_size, timeout=td)
+        _join.wait_until_all_ready(keys, world.world_size, td)
+    except Exception as exc:  # noqa: BLE001 - every failure to join gets what it waited for
+        raise watch.failure(exc) from exc
+    finally:
+        watch.stop()
+    return keys
+
+
 def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> World:
     """Join the job: build the process group from the launcher's environment.
 
@@ -359,6 +391,11 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     process group is created -- every dptrain collective then works locally. Calling
     ``init`` again is a no-op that returns the same world. A process group created by
     the user with ``torch.distributed.init_process_group`` is adopted as it is.
+
+    ``init`` returns once every rank of the job has joined. While it waits, local rank 0
+    of each node says on stderr what for -- the rendezvous address, whether it answers,
+    how many ranks joined and which are missing -- after ``DPTRAIN_WAIT_REPORT_S`` seconds
+    (default 30) and again as often.
 
     Args:
         backend: ``"gloo"``, ``"nccl"`` or ``None`` (default): NCCL when CUDA is available
@@ -371,6 +408,8 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
 
     Raises:
         ValueError: a launcher variable is missing or malformed, or ``backend`` is unknown.
+        RuntimeError: the job could not be joined within the timeout; the message names
+            the rank, the address and the ranks that never arrived.
 
     Example:
         >>> import dptrain
@@ -399,13 +438,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
             raise ValueError("backend 'nccl' needs CUDA, which is not available here; use backend='gloo'")
         torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
     if world.is_distributed:
-        base = _make_store(world, td)
-        # Keys of one launch attempt never collide with a restarted attempt's.
-        store = dist.PrefixStore(f"dptrain/attempt{world.restart_count}", base)
-        dist.init_process_group(
-            chosen, store=dist.PrefixStore("pg", store), rank=world.rank, world_size=world.world_size, timeout=td
-        )
-        _STATE.store = dist.PrefixStore("dp", store)
+        _STATE.store = _join_job(world, chosen, td)
         _STATE.owns_group = True
         from dptrain import _diagnostics
 

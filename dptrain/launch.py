@@ -1,26 +1,32 @@
 """``dptrain run``: start, watch and stop the ranks of a job on this node.
 
 Gives every rank exactly the environment ``torchrun`` gives its workers, hosts the
-rendezvous store itself (so it outlives any rank), relays each rank's output under a
-``[rankN]`` prefix, and never leaves a rank running: when one rank fails the others are
-stopped (TERM, then KILL after a grace period) and the failure is reported with the rank,
-its exit code and the tail of its traceback. ``--max-restarts`` restarts the whole job.
+rendezvous store itself (so it outlives any rank), relays each rank's output live under a
+``[rankN]`` prefix (progress bars included, see ``_relay``), and never leaves a rank
+running: when one rank fails the others are stopped (TERM, then KILL after a grace period)
+and the failure is reported with the rank, its exit code and the tail of its traceback.
+SIGINT, SIGTERM, SIGHUP and SIGQUIT stop every rank and end the launcher with 128 + the
+signal's number; if the launcher dies without a chance to do so (SIGKILL), its ranks die
+with it (see ``_janitor``). ``--max-restarts`` restarts the whole job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
+from dptrain._janitor import Janitor, parent_death_signal
+from dptrain._join import WAIT_REPORT_S, probe, ranks_text
+from dptrain._relay import Console, Relay
 from dptrain._rendezvous import (
     GRACE_S,
     RankFailedError,
@@ -96,9 +102,10 @@ class LaunchConfig:
 
 
 class _RankProcess:
-    """One rank as a child process, with its output relayed line by line under a prefix."""
+    """One rank as a child process, its output relayed live under a ``[rankN]`` prefix."""
 
-    def __init__(self, rank: int, local_rank: int, cmd: list[str], environ: dict[str, str], show: bool, lock):
+    def __init__(self, rank: int, local_rank: int, cmd: list[str], environ: dict[str, str], show: bool,
+                 console: Console) -> None:
         self.rank = rank
         self.local_rank = local_rank
         self.tail: deque[str] = deque(maxlen=30)  # last stderr lines, for the failure report
@@ -109,25 +116,10 @@ class _RankProcess:
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: we can stop its DataLoader workers too
+            preexec_fn=parent_death_signal(os.getpid()),
         )
-        self._threads = [
-            threading.Thread(target=self._relay, args=(self.proc.stdout, sys.stdout, show, False, lock), daemon=True),
-            threading.Thread(target=self._relay, args=(self.proc.stderr, sys.stderr, show, True, lock), daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _relay(self, stream, out, show: bool, keep: bool, lock) -> None:
-        prefix = f"[rank{self.rank}] "
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace")
-            if keep:
-                self.tail.append(line.rstrip("\n"))
-            if show:
-                with lock:
-                    out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
-                    out.flush()
-        stream.close()
+        self._relays = [Relay(self.proc.stdout, rank, 0, console, show),
+                        Relay(self.proc.stderr, rank, 1, console, show, self.tail)]
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -138,27 +130,32 @@ class _RankProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def finish_output(self, timeout: float = 2.0) -> None:
-        for t in self._threads:
-            t.join(timeout)
+    def finish_output(self, deadline: float) -> None:
+        """Wait until everything the rank wrote is shown (its pipes reach their end), or ``deadline``."""
+        for relay in self._relays:
+            relay.join(max(0.0, deadline - time.monotonic()))
 
 
-def _stop_ranks(ranks: Sequence[_RankProcess], grace_s: float = GRACE_S) -> None:
+def _finish_output(ranks: Sequence[_RankProcess], timeout_s: float = 5.0) -> None:
+    # A pipe ends once every process holding it has exited; only a child that left the
+    # rank's process group (and so was not stopped with it) can hold it longer.
+    deadline = time.monotonic() + timeout_s
+    for r in ranks:
+        r.finish_output(deadline)
+
+
+def _stop_ranks(ranks: Sequence[_RankProcess], grace_s: float = GRACE_S,
+                hurry: Callable[[], bool] = lambda: False) -> None:
+    """TERM every rank's process group, KILL what is left after ``grace_s`` (or once ``hurry()``)."""
     for r in ranks:
         if r.poll() is None:
             r.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(r.poll() is None for r in ranks) and not hurry():
+        time.sleep(0.02)
     for r in ranks:
-        try:
-            r.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for r in ranks:
-        if r.poll() is None:
-            r.signal(signal.SIGKILL)
-            r.proc.wait()
-        else:
-            r.signal(signal.SIGKILL)  # leftover children of a rank that already exited
+        r.signal(signal.SIGKILL)  # also leftover workers of a rank that already exited
+        r.proc.wait()
 
 
 def _omp_threads(nproc: int) -> tuple[str | None, str | None]:
@@ -173,19 +170,42 @@ def _omp_threads(nproc: int) -> tuple[str | None, str | None]:
     return str(threads), notice
 
 
-def _log(message: str) -> None:
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-
-
 class _Interrupted(Exception):
     pass
 
 
+class _Signals:
+    """Records SIGINT, SIGTERM, SIGHUP and SIGQUIT; the launcher acts on them between steps.
+
+    The handler only takes note: raising from it could land between starting a rank and
+    registering it, and leave that rank behind.
+    """
+
+    NAMES = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.count = 0
+        self._old: dict[int, object] = {}
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.count += 1
+        if self.received is None:
+            self.received = signum
+
+    def install(self) -> None:
+        for name in self.NAMES:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self._old[sig] = signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
 def _read_error_file(path: str) -> str:
     """The traceback a rank's ``@record`` handler wrote (torchrun's error-file format)."""
-    import json
-
     try:
         with open(path) as fh:
             data = json.load(fh)
@@ -197,6 +217,12 @@ def _read_error_file(path: str) -> str:
     return str(message)
 
 
+def _where(beat: dict) -> str:
+    """A rank's heartbeat in words: "waiting in all_reduce #7, 3 steps"."""
+    where = f"waiting in {beat['op']} #{beat['seq']}" if beat["op"] else f"outside any collective after #{beat['seq']}"
+    return f"{where}, {beat['ticks']} steps"
+
+
 class _Job:
     """One launcher's share of a job: its ranks, their restarts, and the shared store.
 
@@ -205,40 +231,88 @@ class _Job:
     store. The launcher whose rank fails sets it; all launchers then stop their ranks and
     start attempt+1 together. Ranks of attempt k use keys under ``dptrain/attempt<k>``, so a
     restarted job never reads a stale key of the attempt before.
+
+    [Note: exits in the store]
+    Each launcher writes every exit of its ranks -- code and time -- under
+    ``<attempt keys>/exit/<rank>``. A rank whose collective fails reads them, so its error
+    says "rank 0 exited with code 0 3s ago" instead of a bare "connection closed by peer".
     """
 
-    def __init__(self, config: LaunchConfig) -> None:
+    def __init__(self, config: LaunchConfig, signals: _Signals) -> None:
         import tempfile
 
         self.config = config
-        self.host = config.master_addr or "127.0.0.1"
-        self.server = None
-        if config.node_rank == 0:
-            # Single node: 127.0.0.1 only. Several nodes: the explicit master address only.
-            self.server = _StoreServer(self.host, config.master_port or 0, config.world_size,
-                                       timeout_s=config.timeout or 600.0)
-            self.store = self.server.store
-        else:
-            import torch.distributed as dist
-
-            self.store = dist.TCPStore(self.host, config.master_port, None, False,
-                                       timeout=datetime.timedelta(seconds=config.timeout or 600.0))
-        self.port = self.server.port if self.server else config.master_port
-        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+        self.signals = signals
+        self.console = Console(sys.stdout, sys.stderr)
+        self.janitor = Janitor()
         self.error_dir = tempfile.mkdtemp(prefix="dptrain_run_")
-        self.lock = threading.Lock()
+        self.janitor.tell("dir", self.error_dir)
         self.ranks: list[_RankProcess] = []
+        self.server = None
+        try:
+            self._connect()
+        except BaseException:
+            self.close()
+            raise
+        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
         self.stall_s = float(os.environ.get("DPTRAIN_STALL_REPORT_S", "60"))
         self.base_env = self._base_env()
         self.cmd = [sys.executable, "-u"] + (["-m", config.program] if config.module else [config.program])
         self.cmd += list(config.args)
+
+    def log(self, message: str) -> None:
+        """A line of the launcher's own on stderr (it first moves a progress line out of the way)."""
+        self.console.emit(self, 1, [message.encode("utf-8", "replace")])
+
+    def _connect(self) -> None:
+        config = self.config
+        self.host = config.master_addr or "127.0.0.1"
+        timeout = config.timeout or 600.0
+        if config.node_rank == 0:
+            # Single node: 127.0.0.1 only. Several nodes: the explicit master address only.
+            self.server = _StoreServer(self.host, config.master_port or 0, config.world_size, timeout_s=timeout)
+            self.store = self.server.store
+        else:
+            self._wait_for_master(timeout)
+            import torch.distributed as dist
+
+            try:
+                self.store = dist.TCPStore(self.host, config.master_port, None, False,
+                                           timeout=datetime.timedelta(seconds=timeout))
+            except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
+                raise ValueError(f"node {config.node_rank} reached {self.host}:{config.master_port} but no "
+                                 f"rendezvous store answered there ({str(exc).strip()[:200]}); is --master-port "
+                                 f"the port that `dptrain run --node-rank 0` listens on?") from None
+        self.port = self.server.port if self.server else config.master_port
+
+    def _wait_for_master(self, timeout: float) -> None:
+        """Wait for node 0's store, saying every ``DPTRAIN_WAIT_REPORT_S`` what it waits for."""
+        where = f"{self.host}:{self.config.master_port}"
+        t0 = time.monotonic()
+        next_report = t0 + WAIT_REPORT_S
+        while True:
+            why = probe(self.host, self.config.master_port, timeout_s=1.0)
+            if why is None:
+                return
+            if self.signals.received:
+                raise _Interrupted()
+            waited = time.monotonic() - t0
+            if waited >= timeout:
+                raise ValueError(f"node {self.config.node_rank} could not reach node 0's rendezvous at {where} "
+                                 f"within {timeout:.0f}s: {why}")
+            if time.monotonic() >= next_report:
+                next_report += WAIT_REPORT_S
+                self.log(f"dptrain run: node {self.config.node_rank} has waited {waited:.0f}s for node 0's "
+                         f"rendezvous at {where}: {why}. Is `dptrain run --node-rank 0` running there, and is "
+                         f"{self.host} its address as seen from this node?")
+            time.sleep(0.5)
 
     def _base_env(self) -> dict[str, str]:
         config = self.config
         env = dict(os.environ)
         omp, notice = _omp_threads(config.nproc_per_node)
         if notice:
-            _log(notice)
+            self.log(notice)
         if omp:
             env["OMP_NUM_THREADS"] = omp
         if config.timeout is not None:
@@ -252,23 +326,51 @@ class _Job:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
+    def _rank_env(self, rank: int, local: int, attempt: int, show: bool) -> dict[str, str]:
+        config = self.config
+        environ = dict(self.base_env)
+        environ.update(
+            rank_environ(
+                rank=rank, local_rank=local, world_size=config.world_size,
+                local_world_size=config.nproc_per_node, node_rank=config.node_rank,
+                num_nodes=config.nnodes, master_addr=self.host, master_port=self.port, run_id=self.run_id,
+                restart_count=attempt, max_restarts=config.max_restarts, error_dir=self.error_dir,
+            )
+        )
+        # Whether a terminal watches this rank's output: a live progress bar, or progress
+        # lines now and then ("off": its output is not shown at all).
+        watching = "tty" if self.console.tty[1] else "lines"
+        environ["DPTRAIN_PROGRESS"] = watching if show else "off"
+        if watching == "tty" and show and "COLUMNS" not in environ:
+            # Output sized for the terminal minus the "[rankN] " prefix, for what asks
+            # shutil.get_terminal_size (it reads COLUMNS and LINES when stdout is a pipe).
+            columns, rows = self.console.size(1)
+            environ["COLUMNS"] = str(max(columns - len(f"[rank{rank}] "), 20))
+            environ.setdefault("LINES", str(rows))
+        os.makedirs(os.path.dirname(environ["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
+        return environ
+
     def start(self, attempt: int) -> None:
         config = self.config
         self.ranks = []
+        self.exits: dict[int, tuple[int, float]] = {}  # rank -> (exit code, time.monotonic())
+        self._early_exit_reported = False
+        self._publish(f"{dist_prefix(attempt)}/exit/published", "1")
         for local in range(config.nproc_per_node):
+            if self.signals.received:
+                return
             rank = config.node_rank * config.nproc_per_node + local
-            environ = dict(self.base_env)
-            environ.update(
-                rank_environ(
-                    rank=rank, local_rank=local, world_size=config.world_size,
-                    local_world_size=config.nproc_per_node, node_rank=config.node_rank,
-                    num_nodes=config.nnodes, master_addr=self.host, master_port=self.port, run_id=self.run_id,
-                    restart_count=attempt, max_restarts=config.max_restarts, error_dir=self.error_dir,
-                )
-            )
-            os.makedirs(os.path.dirname(environ["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
             show = config.log_ranks is None or rank in config.log_ranks
-            self.ranks.append(_RankProcess(rank, local, self.cmd, environ, show, self.lock))
+            environ = self._rank_env(rank, local, attempt, show)
+            proc = _RankProcess(rank, local, self.cmd, environ, show, self.console)
+            self.ranks.append(proc)
+            self.janitor.tell("group", proc.proc.pid)
+
+    def _publish(self, key: str, value: str) -> None:
+        try:
+            self.store.set(key, value)
+        except Exception:  # noqa: BLE001 - node 0's store is gone: its launcher reports that
+            pass
 
     def _peer_failure(self, attempt: int) -> str | None:
         key = f"launcher/failed/{attempt}"
@@ -279,23 +381,24 @@ class _Job:
             return "the launcher of node 0 is unreachable"
         return None
 
-    def _report_stalls(self, attempt: int, seen: dict[int, list]) -> None:
-        """Print "rank r has made no progress for N s" for ranks whose heartbeat stands still.
+    def _heartbeat(self, attempt: int, rank: int) -> dict | None:
+        key = f"{dist_prefix(attempt)}/hb/{rank}"
+        try:
+            return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - best effort: the store may be going away
+            return None
+
+    def _report_stalls(self, attempt: int, seen: dict[int, list], running: list[_RankProcess]) -> None:
+        """Print "rank r has made no progress for N s" for running ranks whose heartbeat stands still.
 
         ``seen[rank]`` holds [state, since, last_report]: the rank's last (collectives,
         steps, current op), when it last changed, and when we last reported it.
         """
-        import json
-
         now = time.time()
-        for r in self.ranks:
-            key = f"{dist_prefix(attempt)}/hb/{r.rank}"
-            try:
-                if not self.store.check([key]):
-                    continue
-                b = json.loads(self.store.get(key))
-            except Exception:  # noqa: BLE001 - best effort: the store may be going away
-                return
+        for r in running:
+            b = self._heartbeat(attempt, r.rank)
+            if b is None:
+                continue
             state = (b["seq"], b["ticks"], b["op"])
             entry = seen.setdefault(r.rank, [state, now, 0.0])
             if entry[0] != state:
@@ -304,24 +407,52 @@ class _Job:
             idle = now - entry[1]
             if idle >= self.stall_s and now - entry[2] >= self.stall_s:
                 entry[2] = now
-                where = f"waiting in {b['op']} #{b['seq']}" if b["op"] else f"outside any collective after #{b['seq']}"
-                _log(f"dptrain run: rank {r.rank} has made no progress for {idle:.0f}s ({where}, {b['ticks']} steps)")
+                self.log(f"dptrain run: rank {r.rank} has made no progress for {idle:.0f}s ({_where(b)})")
+
+    def _record_exit(self, attempt: int, r: _RankProcess, code: int) -> None:
+        self.exits[r.rank] = (code, time.monotonic())
+        self._publish(f"{dist_prefix(attempt)}/exit/{r.rank}", json.dumps({"code": code, "t": time.time()}))
+
+    def _report_early_exit(self, attempt: int, running: list[_RankProcess]) -> None:
+        """Once: ranks that exited 0 while others still run, ``stall_s`` after the first of them."""
+        finished = sorted((t, rank) for rank, (code, t) in self.exits.items() if code == 0)
+        if self._early_exit_reported or not finished:
+            return
+        waited = time.monotonic() - finished[0][0]
+        if waited < self.stall_s:
+            return
+        self._early_exit_reported = True
+        gone = [rank for _, rank in finished]
+        who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {ranks_text(gone)}"
+        live = [r.rank for r in running]
+        still = f"rank {live[0]} is" if len(live) == 1 else f"ranks {ranks_text(live)} are"
+        beats = {r: self._heartbeat(attempt, r) for r in live}
+        states = "; ".join(f"rank {r}: {_where(b)}" for r, b in beats.items() if b)
+        waiting = [r for r, b in beats.items() if b and b["op"]]
+        hint = ""
+        if waiting:
+            hint = (f". Rank(s) {ranks_text(waiting)} wait in a collective that needs the ranks that exited: it "
+                    f"fails at the timeout. Every rank must make the same collective calls until its end")
+        self.log(f"dptrain run: {who} exited with code 0 while {still} still running, {waited:.0f}s later"
+                 f"{f' ({states})' if states else ''}{hint}")
 
     def watch(self, attempt: int) -> tuple[_RankProcess | None, str | None]:
-        """Wait until all ranks exit 0 (None, None), a local rank fails (rank, None), or a peer node fails."""
+        """Wait until all ranks exit 0 (None, None), a local rank fails (rank, None), a peer
+        node fails (None, why), or a signal arrives (None, None; see ``signals``)."""
         seen: dict[int, list] = {}
         polls = 0
-        while True:
-            alive = False
+        while not self.signals.received:
+            running = []
             for r in self.ranks:
                 code = r.poll()
                 if code is None:
-                    alive = True
-                elif code != 0:
-                    return r, None
-            if not alive:
-                for r in self.ranks:
-                    r.finish_output()
+                    running.append(r)
+                elif r.rank not in self.exits:
+                    self._record_exit(attempt, r, code)
+                    if code != 0:
+                        return r, None
+            if not running:
+                _finish_output(self.ranks)
                 return None, None
             polls += 1
             if polls % _STALL_EVERY == 0:
@@ -329,14 +460,52 @@ class _Job:
                     peer = self._peer_failure(attempt)
                     if peer:
                         return None, peer
-                self._report_stalls(attempt, seen)
+                if self.exits:  # a rank that is gone makes no progress; say so once instead
+                    self._report_early_exit(attempt, running)
+                else:
+                    self._report_stalls(attempt, seen, running)
             time.sleep(_POLL_S)
+        return None, None
+
+    def stop_all(self) -> None:
+        """Stop every rank (a second signal cuts the grace period short) and show their last output."""
+        count = self.signals.count
+        _stop_ranks(self.ranks, hurry=lambda: self.signals.count > count)
+        _finish_output(self.ranks)
+        for r in self.ranks:
+            self.janitor.tell("forget", r.proc.pid)
+
+    def report_failure(self, attempt: int, failed: _RankProcess | None, peer: str | None) -> int:
+        """Stop the other ranks, say who failed and show its last lines; return the exit code."""
+        config = self.config
+        if failed is not None:
+            code = failed.poll()
+            what = (f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
+                    f"{_describe_exit(code)}")
+            self._publish(f"launcher/failed/{attempt}", f"on node {config.node_rank}: {what}")
+            earlier = sorted(rank for rank, (c, _) in self.exits.items() if c == 0)
+            if earlier:
+                what += f" (after rank(s) {ranks_text(earlier)} had exited with code 0)"
+        else:
+            code = 1
+            what = f"a rank of another node failed ({peer})"
+        running = [r for r in self.ranks if r is not failed and r.poll() is None]
+        stopping = f"; stopping the other {len(running)} rank(s) of this node" if running else ""
+        self.log(f"dptrain run: {what}{stopping}")
+        self.stop_all()
+        if failed is not None:
+            tb = _read_error_file(os.path.join(self.error_dir, f"attempt_{attempt}", str(failed.rank), "error.json"))
+            tail = tb or "\n".join(failed.tail)
+            if tail:
+                self.log(f"--- last lines of rank {failed.rank} ---\n{tail}\n---")
+        return code if code and code > 0 else 1
 
     def close(self) -> None:
         import shutil
 
         if self.ranks:
             _stop_ranks(self.ranks, grace_s=0.5)
+        self.janitor.done()
         if self.server:
             self.server.close()
         shutil.rmtree(self.error_dir, ignore_errors=True)
@@ -356,58 +525,55 @@ def run_job(config: LaunchConfig) -> int:
 
     Starts ``nproc_per_node`` ranks, relays their output, reports ranks that stop making
     progress, and stops them all as soon as one fails. With ``max_restarts`` > 0 the whole
-    job (every node) is restarted after a failure, up to that many times.
+    job (every node) is restarted after a failure, up to that many times. SIGINT, SIGTERM,
+    SIGHUP and SIGQUIT stop every rank; the exit code is then 128 + the signal's number.
     """
-    interrupted = {"sig": None}
-
-    def on_signal(signum, _frame):
-        interrupted["sig"] = signum
-        raise _Interrupted()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals = _Signals()
+    signals.install()
     job = None
     try:
-        job = _Job(config)
-        for attempt in range(config.max_restarts + 1):
-            job.start(attempt)
-            failed, peer = job.watch(attempt)
-            if failed is None and peer is None:
-                return 0
-            if failed is not None:
-                code = failed.poll()
-                what = (f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
-                        f"{_describe_exit(code)}")
-                try:
-                    job.store.set(f"launcher/failed/{attempt}", f"on node {config.node_rank}: {what}")
-                except Exception:  # noqa: BLE001 - single node or store gone: nothing to tell
-                    pass
-            else:
-                code = 1
-                what = f"a rank of another node failed ({peer})"
-            others = [r for r in job.ranks if r is not failed]
-            _log(f"dptrain run: {what}; stopping the other {len(others)} rank(s) of this node")
-            _stop_ranks(others)
-            for r in job.ranks:
-                r.finish_output()
-            if failed is not None:
-                tb = _read_error_file(os.path.join(job.error_dir, f"attempt_{attempt}", str(failed.rank), "error.json"))
-                tail = tb or "\n".join(failed.tail)
-                if tail:
-                    _log(f"--- last lines of rank {failed.rank} ---\n{tail}\n---")
-            if attempt < config.max_restarts:
-                _log(f"dptrain run: restarting all ranks (restart {attempt + 1} of {config.max_restarts})")
-                continue
-            if config.max_restarts:
-                _log(f"dptrain run: giving up after {config.max_restarts} restart(s)")
-            return code if code and code > 0 else 1
-        return 1
+        job = _Job(config, signals)
+        code = _run_attempts(job)
+        return _interrupted(job, signals) if signals.received else code
     except _Interrupted:
-        _log(f"dptrain run: {signal.Signals(interrupted['sig']).name} received; stopping all ranks")
-        if job:
-            _stop_ranks(job.ranks)
-        return 130 if interrupted["sig"] == signal.SIGINT else 143
+        return _interrupted(job, signals)
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        if job:
+        if job is not None:
             job.close()
+        signals.restore()  # last: a second signal while stopping must still find our handler
+
+
+def _run_attempts(job: _Job) -> int:
+    config, signals = job.config, job.signals
+    for attempt in range(config.max_restarts + 1):
+        if signals.received:
+            break
+        job.start(attempt)
+        failed, peer = job.watch(attempt)
+        if signals.received or (failed is None and peer is None):
+            break
+        code = job.report_failure(attempt, failed, peer)
+        if signals.received:
+            return code
+        if attempt < config.max_restarts:
+            job.log(f"dptrain run: restarting all ranks (restart {attempt + 1} of {config.max_restarts})")
+            continue
+        if config.max_restarts:
+            job.log(f"dptrain run: giving up after {config.max_restarts} restart(s)")
+        return code
+    return 0
+
+
+def _interrupted(job: _Job | None, signals: _Signals) -> int:
+    """The launcher got a signal: stop every rank, say so, exit with 128 + the signal's number."""
+    message = f"dptrain run: {signal.Signals(signals.received).name} received; stopping all ranks"
+    if job is None:
+        try:
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+    else:
+        job.log(message)
+        job.stop_all()
+    return 128 + signals.received

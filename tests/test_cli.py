@@ -1,11 +1,14 @@
 """Argument parsing of the dptrain command and the sbatch file it writes."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from dptrain.cli import build_parser, main
+from dptrain.cli import build_parser, main, parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_run_flags_accept_both_spellings():
@@ -16,6 +19,38 @@ def test_run_flags_accept_both_spellings():
     assert a.program == "train.py" and a.args == ["--lr", "0.1"]
     b = p.parse_args(["run", "--nproc_per_node=auto", "--log_ranks", "0,2", "-m", "pkg.mod"])
     assert b.nproc_per_node >= 1 and b.log_ranks == [0, 2] and b.module and b.program == "pkg.mod"
+
+
+@pytest.mark.parametrize("argv, launcher, program, script_args", [
+    (["train.py", "--log", "x"], {}, "train.py", ["--log", "x"]),  # not --log-ranks
+    (["-m", "pkg.mod", "--nproc-per-node", "3"], {"module": True}, "pkg.mod", ["--nproc-per-node", "3"]),
+    (["--nproc-per-node=2", "--log-ranks", "1", "train.py", "--log-ranks", "0", "-m", "--help", "--", "x"],
+     {"nproc_per_node": 2, "log_ranks": [1]}, "train.py", ["--log-ranks", "0", "-m", "--help", "--", "x"]),
+    (["--max_restarts", "1", "--", "train.py", "--timeout", "5"], {"max_restarts": 1}, "train.py", ["--timeout", "5"]),
+])
+def test_words_after_the_script_belong_to_the_script(argv, launcher, program, script_args):
+    ns = parse_args(["run", *argv])
+    assert ns.program == program and ns.args == script_args
+    for name, value in launcher.items():
+        assert getattr(ns, name) == value
+
+
+def test_launcher_flags_are_never_abbreviated(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(["run", "--nproc", "2", "train.py"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --nproc" in capsys.readouterr().err
+
+
+def test_a_script_gets_flags_that_look_like_the_launchers(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", "--log-ranks", "1",
+         os.path.join(ROOT, "tests", "scripts", "hello_module.py"), "--log", "x", "--nproc-per-node", "3"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[rank1] module rank 1 args ['--log', 'x', '--nproc-per-node', '3']"
+    assert not list(tmp_path.iterdir())  # the launcher's temporary directory is gone
 
 
 def test_python_dash_m_dptrain_works():

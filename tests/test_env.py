@@ -158,3 +158,35 @@ def test_init_from_slurm_environment_without_torchrun():
 
     rows = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     assert rows == [[r, 2, r, "slurm", "localhost", 1.0] for r in range(2)]
+
+
+def _init_alone(extra: dict) -> subprocess.CompletedProcess:
+    """One process that runs dptrain.init() in a world where nobody else ever shows up."""
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM_", "TORCHELASTIC_", "GROUP_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_vars)}
+    env.update(DPTRAIN_WAIT_REPORT_S="1", DPTRAIN_TIMEOUT="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.update(extra)
+    return subprocess.run([sys.executable, "-c", "import dptrain; dptrain.init()"], capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def test_a_rank_that_cannot_reach_the_master_says_what_it_waits_for():
+    out = _init_alone({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_PORT": "9"})  # nothing listens on the discard port
+    reports = [line for line in out.stderr.splitlines() if line.startswith("dptrain.init: rank 1 of 2 has waited")]
+    assert len(reports) >= 2, out.stderr  # said within the report delay, then again
+    assert ("to reach the rendezvous store at 127.0.0.1:9 (MASTER_ADDR:MASTER_PORT): nothing listens there "
+            "yet (connection refused)") in reports[0]
+    assert out.returncode != 0
+    assert "RuntimeError: dptrain.init failed (DistNetworkError" in out.stderr
+
+
+def test_plain_python_under_slurm_names_the_missing_ranks_and_srun():
+    out = _init_alone({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                       "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "42"})
+    reports = [line for line in out.stderr.splitlines() if line.startswith("dptrain.init: rank 0 of 4 has waited")]
+    assert len(reports) >= 2, out.stderr
+    assert "1 of 4 ranks have joined (missing: 1, 2, 3)" in reports[0]
+    assert "start every task with srun" in reports[0]
+    assert out.returncode != 0
+    assert "RuntimeError: dptrain.init failed" in out.stderr and "(missing: 1, 2, 3)" in out.stderr.splitlines()[-1]

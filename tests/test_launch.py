@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -10,8 +11,11 @@ import sys
 import time
 
 import pytest
+import torch
 
 import dptrain
+import dptrain.comm
+import dptrain.launch
 from dptrain.launch import LaunchConfig, RankFailedError
 from tests._dist import run_ranks
 
@@ -85,10 +89,12 @@ def test_single_node_rendezvous_listens_on_loopback_only():
     assert "[rank0] LISTEN 127.0.0.1" in out.stdout
 
 
-def test_a_failing_rank_stops_the_job_in_seconds_and_is_named():
+def test_a_failing_rank_stops_the_job_in_seconds_and_is_named(tmp_path):
     t0 = time.monotonic()
-    out = dptrain_run("--nproc-per-node", "3", os.path.join(SCRIPTS, "fail_one_rank.py"), "sleep")
+    out = dptrain_run("--nproc-per-node", "3", os.path.join(SCRIPTS, "fail_one_rank.py"), "sleep",
+                      env={"TMPDIR": str(tmp_path)})
     elapsed = time.monotonic() - t0
+    assert not list(tmp_path.iterdir())  # the launcher's error-file directory is gone
     assert out.returncode == 1
     assert "dptrain run: rank 1 (local rank 1" in out.stderr and "exited with code 1" in out.stderr
     assert "--- last lines of rank 1 ---" in out.stderr and "rank one is broken on purpose" in out.stderr
@@ -130,6 +136,36 @@ def test_stall_report_names_the_rank_without_progress():
     assert "has made no progress for" in seen and "outside any collective after #0, 0 steps" in seen
 
 
+def test_a_rank_that_exits_0_early_is_reported_once_not_as_a_stall():
+    out = dptrain_run("--nproc-per-node", "2", os.path.join(SCRIPTS, "early_exit.py"), "work", "4",
+                      env={"DPTRAIN_STALL_REPORT_S": "1", "DPTRAIN_HEARTBEAT_S": "0.2"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "[rank1] rank 1 done" in out.stdout
+    reports = [line for line in out.stderr.splitlines() if "still running" in line]
+    assert len(reports) == 1, out.stderr
+    assert reports[0].startswith("dptrain run: rank 0 exited with code 0 while rank 1 is still running, ")
+    assert "(rank 1: outside any collective after #1" in reports[0]
+    assert "has made no progress" not in out.stderr
+
+
+def test_a_collective_that_fails_because_a_peer_exited_says_so():
+    out = dptrain_run("--nproc-per-node", "2", os.path.join(SCRIPTS, "early_exit.py"), "all_reduce", timeout=120)
+    assert out.returncode == 1
+    assert "rank 1: all_reduce #2 failed: rank 0 exited with code 0 " in out.stderr, out.stderr
+    assert "dptrain run: rank 1 (local rank 1" in out.stderr and "(after rank(s) 0 had exited with code 0)" in out.stderr
+
+
+def _return_early(rank):
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 has shut down by now
+        dptrain.comm.all_reduce(torch.ones(1))
+
+
+def test_without_dptrain_run_a_failed_collective_still_names_the_peer_that_left():
+    with pytest.raises(RankFailedError, match=r"rank 1: all_reduce #1 failed: rank 0 shut down \d+s ago"):
+        run_ranks(_return_early, 2)
+
+
 def test_max_restarts_restarts_the_whole_job():
     out = dptrain_run("--nproc-per-node", "2", "--max-restarts", "2", os.path.join(SCRIPTS, "flaky.py"), "1")
     assert out.returncode == 0, out.stderr
@@ -157,14 +193,29 @@ def test_bad_input_gets_a_one_line_error(args, message):
     assert message in out.stderr
 
 
-def test_port_in_use_is_reported():
+def test_port_in_use_is_reported(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        out = dptrain_run("--master-port", str(port), os.path.join(SCRIPTS, "dump_env.py"))
+        out = dptrain_run("--master-port", str(port), os.path.join(SCRIPTS, "dump_env.py"),
+                          env={"TMPDIR": str(tmp_path)})
     assert out.returncode == 2
+    assert not list(tmp_path.iterdir())
     assert f"port {port} on 127.0.0.1 is not available" in out.stderr and "--master-port" in out.stderr
+
+
+def test_a_node_that_cannot_reach_node_0_says_what_it_waits_for(tmp_path):
+    port = dptrain.launch.free_port()
+    out = dptrain_run("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                      "--timeout", "3", os.path.join(SCRIPTS, "dump_env.py"),
+                      env={"DPTRAIN_WAIT_REPORT_S": "1", "TMPDIR": str(tmp_path)})
+    where = f"node 0's rendezvous at 127.0.0.1:{port}"
+    assert re.search(rf"dptrain run: node 1 has waited \d+s for {re.escape(where)}: nothing listens there yet "
+                     r"\(connection refused\)", out.stderr), out.stderr
+    assert out.stderr.count("dptrain run: node 1 has waited") >= 2
+    assert f"dptrain run: error: node 1 could not reach {where} within 3s" in out.stderr
+    assert out.returncode == 2 and not list(tmp_path.iterdir())
 
 
 def test_launch_config_validates():

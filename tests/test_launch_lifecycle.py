@@ -1,0 +1,115 @@
+"""`dptrain run` never leaves a rank behind: whatever ends the launcher, its ranks and their
+DataLoader workers are gone within 5 s and its temporary directories are removed."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads processes from /proc")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLEEPY = os.path.join(ROOT, "tests", "scripts", "sleepy_workers.py")
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def start_job(tmp_path):
+    """A 2-rank job whose ranks each run a DataLoader worker; returns (launcher, pids)."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", SLEEPY],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    pids = []
+    deadline = time.monotonic() + 120
+    while len(pids) < 4 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, f"the job ended early: {proc.stderr.read()}"
+        if " worker " in line:
+            words = line.split()
+            pids += [int(words[words.index("pid") + 1]), int(words[words.index("worker") + 1])]
+    assert len(pids) == 4, "the ranks never came up"
+    assert list(tmp_path.glob("dptrain_run_*")), "the launcher's error-file directory is not under TMPDIR"
+    return proc, pids
+
+
+def wait_gone(pids, tmp_path, seconds=5.0) -> list[int]:
+    """Ranks still alive, and temporary directories still there, after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids) and not list(tmp_path.glob("dptrain_run_*")):
+            break
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)] + [str(d) for d in tmp_path.glob("dptrain_run_*")]
+
+
+def _cleanup(pids):
+    for p in pids:
+        if alive(p):
+            os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig):
+    proc, pids = start_job(tmp_path)
+    try:
+        proc.send_signal(sig)
+        left = wait_gone(pids, tmp_path)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        _cleanup(pids)
+    assert not left, f"still there 5 s after {sig.name}: {left}"
+    assert proc.returncode == 128 + sig
+    assert f"dptrain run: {sig.name} received; stopping all ranks" in err
+
+
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    proc, pids = start_job(tmp_path)
+    try:
+        proc.kill()
+        left = wait_gone(pids, tmp_path)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        _cleanup(pids)
+    assert not left, f"still there 5 s after SIGKILL of the launcher: {left}"
+    assert f"dptrain run: the launcher (pid {proc.pid}) died; stopping its 2 rank(s)" in err
+
+
+def test_ranks_die_with_the_launcher_even_without_the_janitor(tmp_path):
+    proc, pids = start_job(tmp_path)
+    ranks = pids[0::2]  # a rank's DataLoader worker stops by itself once its rank is gone
+    try:
+        janitor = [p for p in children(proc.pid) if p not in ranks]
+        assert len(janitor) == 1, janitor
+        os.kill(janitor[0], signal.SIGKILL)
+        proc.kill()
+        deadline = time.monotonic() + 5
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in ranks if alive(p)]
+        proc.communicate(timeout=30)
+    finally:
+        _cleanup(pids)
+    assert not left, f"ranks {left} outlived their launcher"
