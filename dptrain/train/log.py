@@ -51,6 +51,8 @@ def progress_mode(progress: bool | None) -> str:
     if progress is True:
         return "bar"
     watched = os.environ.get("DPTRAIN_PROGRESS", "")
+    if watched == "off":  # dptrain run does not show this rank's output (--log-ranks)
+        return "off"
     if watched == "tty" or (not watched and sys.stderr.isatty()):
         return "bar"
     return "lines"
