@@ -23,7 +23,8 @@ from dptrain.env import (
     shutdown,
     world_size,
 )
-from dptrain.launch import RankFailedError, spawn
+from dptrain._errors import RankFailedError
+from dptrain.spawn import spawn
 from dptrain.data import DistributedSampler, gather_results, main_process_first, prepare_dataloader
 from dptrain.parallel.ddp import DDP, DistributedDataParallel
 from dptrain.parallel.fsdp import FSDP, FullyShardedDataParallel

@@ -15,116 +15,51 @@ It costs a store round trip per rank per collective, so it is off by default.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
-import threading
 import time
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dptrain import env
+from dptrain import _heartbeat
+from dptrain._errors import CollectiveError, CollectiveMismatchError
+from dptrain._heartbeat import enter, leave, read_per_rank
 
-_seq: dict[str, int] = {}
-
-# What this rank is doing, published by the heartbeat thread: collectives entered so far,
-# the one it is in ("" when outside), and progress ticks (training steps).
-_progress = {"seq": 0, "op": "", "ticks": 0, "failed": False}
-
-#: Seconds between heartbeats (``DPTRAIN_HEARTBEAT_S``).
-HEARTBEAT_S = float(os.environ.get("DPTRAIN_HEARTBEAT_S", "2"))
+__all__ = ["configure", "reset", "before_collective", "explain_failure", "debug_enabled", "CollectiveMismatchError"]
 
 
-def tick() -> None:
-    """Record one unit of progress (a training step); the launcher watches these."""
-    _progress["ticks"] += 1
+class _Job:
+    """What ``dptrain.init`` hands down: the store for dptrain's keys and the collective timeout."""
+
+    store: Any = None
+    timeout = datetime.timedelta(seconds=_heartbeat.DEFAULT_TIMEOUT_S)
 
 
-def enter(name: str) -> None:
-    """Mark that this rank entered collective ``name`` (for stall reports)."""
-    _progress["seq"] += 1
-    _progress["op"] = name
+_JOB = _Job()
+_seq: dict[str, int] = {}  # debug cross-check: collectives per group so far
 
 
-def leave() -> None:
-    _progress["op"] = ""
-
-
-def _heartbeat_loop(store, rank: int, interval: float, stop: threading.Event) -> None:
-    while not stop.is_set():
-        entry = dict(_progress, t=time.time(), pid=os.getpid())
-        try:
-            store.set(f"hb/{rank}", json.dumps(entry))
-        except Exception:  # noqa: BLE001 - the store is gone: the job is ending
-            return
-        stop.wait(interval)
-
-
-_heartbeat: dict[str, Any] = {}
-
-
-def start_heartbeat(store, rank: int, interval: float = HEARTBEAT_S) -> None:
-    """Publish this rank's progress to the store every ``interval`` seconds (daemon thread)."""
-    stop_heartbeat()
-    stop = threading.Event()
-    thread = threading.Thread(target=_heartbeat_loop, args=(store, rank, interval, stop), daemon=True, name="dptrain-heartbeat")
-    thread.start()
-    _heartbeat.update(stop=stop, thread=thread)
-
-
-def stop_heartbeat() -> None:
-    """Stop the heartbeat thread and wait until it has finished.
-
-    [Note: no thread in a store call at exit]
-    The wait has no time limit, on purpose. A thread that is still inside a C++ call (a
-    store write) when the interpreter finalizes is killed by ``pthread_exit`` as soon as it
-    asks for the GIL back; that unwinds through a ``noexcept`` C++ frame and ends the
-    process in ``std::terminate``: "terminate called without an active exception" and
-    SIGABRT, after the script has finished. Giving up after a few seconds (the thread
-    starved of CPU on a loaded machine) left exactly that window open. A store write does
-    not wait for the server's answer, so the thread always comes back quickly; ``init``
-    registers :func:`dptrain.shutdown` with ``atexit`` so this runs before finalization
-    even when a script never calls it.
-    """
-    if _heartbeat:
-        _heartbeat["stop"].set()
-        _heartbeat["thread"].join()
-        _heartbeat.clear()
+def configure(store: Any, timeout: datetime.timedelta) -> None:
+    """Called by ``dptrain.init``: where dptrain's keys live, and how long a collective may wait."""
+    _JOB.store, _JOB.timeout = store, timeout
 
 
 def reset() -> None:
-    """Forget this process's job: stop the heartbeat, zero the counters (a later init starts over).
+    """Forget this process's job (a later init starts over).
 
     Also notes in the store that this rank is leaving (``left/<rank>``), before its
     connections close, and whether a collective of its own had failed: a peer whose
     collective then fails can say why (see :func:`explain_failure`), under any launcher.
     """
-    store = env._store()
-    if store is not None and dist.is_initialized():
-        try:
-            store.set(f"left/{dist.get_rank()}", json.dumps({"t": time.time(), "after_failure": _progress["failed"]}))
-        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to tell
-            pass
-    stop_heartbeat()
+    if _JOB.store is not None and dist.is_initialized():
+        _heartbeat.note_leaving(_JOB.store, dist.get_rank())
+    _heartbeat.stop()
     _seq.clear()
-    _progress.update(seq=0, op="", ticks=0, failed=False)
-
-
-def _read_per_rank(store, name: str, world_size: int) -> dict[int, dict]:
-    out = {}
-    for r in range(world_size):
-        try:
-            if store.check([f"{name}/{r}"]):
-                out[r] = json.loads(store.get(f"{name}/{r}"))
-        except Exception:  # noqa: BLE001 - best effort: used only to explain a failure
-            break
-    return out
-
-
-def read_heartbeats(store, world_size: int) -> dict[int, dict]:
-    """Every rank's last heartbeat that the store holds (ranks without one are absent)."""
-    return _read_per_rank(store, "hb", world_size)
+    _heartbeat.reset_progress()
+    _JOB.store = None
 
 
 def debug_enabled() -> bool:
@@ -149,15 +84,11 @@ def _fmt(entry: dict) -> str:
     return f"{entry['op']}({shapes})"
 
 
-class CollectiveMismatchError(RuntimeError):
-    """Ranks called different collectives, or the same one with different shapes."""
-
-
 def before_collective(name: str, tensors: Sequence[torch.Tensor], group: Any) -> None:
     enter(name)
     if not debug_enabled():
         return
-    store = env._store()
+    store = _JOB.store
     if store is None:
         return
     key = _group_key(group)
@@ -168,7 +99,7 @@ def before_collective(name: str, tensors: Sequence[torch.Tensor], group: Any) ->
     mine = _describe(name, tensors)
     store.set(f"debug/{key}/{seq}/{me}", json.dumps(mine))
     wanted = [f"debug/{key}/{seq}/{r}" for r in ranks]
-    timeout = env._timeout()
+    timeout = _JOB.timeout
     try:
         store.wait(wanted, timeout)
     except Exception:  # noqa: BLE001 - name who is missing instead of the store's generic text
@@ -188,17 +119,13 @@ def before_collective(name: str, tensors: Sequence[torch.Tensor], group: Any) ->
         )
 
 
-def after_collective(name: str, group: Any) -> None:
-    leave()
-
-
 def _who_is_missing(world_size: int) -> str:
     """From the heartbeats: which ranks are not in the collective this rank waits in."""
-    store = env._store()
+    store = _JOB.store
     if store is None:
         return ""
-    beats = read_heartbeats(store, world_size)
-    mine = _progress["seq"]
+    beats = read_per_rank(store, "hb", world_size)
+    mine = _heartbeat.progress()["seq"]
     now = time.time()
     lines = []
     me = dist.get_rank()
@@ -209,18 +136,12 @@ def _who_is_missing(world_size: int) -> str:
         if b is None:
             lines.append(f"rank {r} never sent a heartbeat")
         elif b["seq"] < mine or not b["op"]:
-            where = f"inside {b['op']} #{b['seq']}" if b["op"] else f"outside any collective after #{b['seq']}"
-            lines.append(f"rank {r} did not arrive (last seen {now - b['t']:.0f}s ago {where}, {b['ticks']} steps)")
+            lines.append(f"rank {r} did not arrive (last seen {now - b['t']:.0f}s ago {_heartbeat.where(b)})")
     return "; ".join(lines)
 
 
 #: Seconds a failed collective waits for the launcher to publish the exit of a peer that left.
 EXIT_WAIT_S = 5.0
-
-
-def read_exits(store, world_size: int) -> dict[int, dict]:
-    """Ranks whose exit the launcher published (``dptrain run`` does): rank -> {code, t}."""
-    return _read_per_rank(store, "exit", world_size)
 
 
 def _peers_gone(world_size: int) -> dict[int, str]:
@@ -231,22 +152,20 @@ def _peers_gone(world_size: int) -> dict[int, str]:
     code once the process is gone -- a moment later (it polls every 50 ms; the interpreter's
     exit takes a while). So wait a little for the code of a peer known to be leaving.
     """
-    from dptrain._rendezvous import _describe_exit
-
-    store = env._store()
+    store = _JOB.store
     if store is None:
         return {}
     me = dist.get_rank()
     deadline = time.monotonic() + EXIT_WAIT_S
     try:
-        published = store.check(["exit/published"])
+        published = store.check([_heartbeat.EXITS_PUBLISHED])
         while True:
-            left = _read_per_rank(store, "left", world_size)
+            left = read_per_rank(store, "left", world_size)
             # A peer that left after a collective of its own failed shares our fate; it is
             # not the cause (several ranks time out waiting for the same stalled one).
             victims = {r for r, e in left.items() if e.get("after_failure")} | {me}
             left = {r: e for r, e in left.items() if r not in victims}
-            exits = {r: e for r, e in read_exits(store, world_size).items() if r not in victims}
+            exits = {r: e for r, e in read_per_rank(store, "exit", world_size).items() if r not in victims}
             waiting = published and (set(left) - set(exits) or not (left or exits))
             if not waiting or time.monotonic() >= deadline:
                 break
@@ -254,7 +173,7 @@ def _peers_gone(world_size: int) -> dict[int, str]:
     except Exception:  # noqa: BLE001 - best effort: used only to explain a failure
         return {}
     now = time.time()
-    gone = {r: f"{_describe_exit(e['code'])} {max(0.0, now - e['t']):.0f}s ago" for r, e in exits.items()}
+    gone = {r: f"{_heartbeat.describe_exit(e['code'])} {max(0.0, now - e['t']):.0f}s ago" for r, e in exits.items()}
     for r, e in left.items():
         gone.setdefault(r, f"shut down {max(0.0, now - e['t']):.0f}s ago (it returned or called dptrain.shutdown())")
     return gone
@@ -267,28 +186,26 @@ def explain_failure(name: str, exc: BaseException, group: Any = None) -> BaseExc
     rank 0 exited with code 0 3s ago (...)" where the launcher publishes exits
     (``dptrain run``), else "rank 0 shut down 3s ago".
     """
-    from dptrain.comm import CollectiveError
-
     if isinstance(exc, (CollectiveMismatchError, CollectiveError, ValueError, TypeError)):
         leave()
         return exc
     me = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    timeout = env._timeout().total_seconds()
+    timeout = _JOB.timeout.total_seconds()
     cause = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-    _progress["failed"] = True
+    _heartbeat.mark_failed()
     gone = _peers_gone(world) if world > 1 else {}
     missing = _who_is_missing(world) if group is None and not gone else ""
     leave()
     if gone:
         said = "; ".join(f"rank {r} {what}" for r, what in sorted(gone.items()))
         return CollectiveError(
-            f"rank {me}: {name} #{_progress['seq']} failed: {said} ({cause}). Every rank must make the same "
+            f"rank {me}: {name} #{_heartbeat.progress()['seq']} failed: {said} ({cause}). Every rank must make the same "
             f"collective calls to the end: a rank that returns or exits early leaves the others without a partner"
         )
     detail = f" {missing}." if missing else ""
     return CollectiveError(
-        f"rank {me}: {name} #{_progress['seq']} failed ({cause}).{detail} "
+        f"rank {me}: {name} #{_heartbeat.progress()['seq']} failed ({cause}).{detail} "
         f"A peer rank exited, stalled for more than the {timeout:.0f}s timeout, or called a different "
         f"collective (rerun with DPTRAIN_DEBUG=1 to compare collectives across ranks)"
     )

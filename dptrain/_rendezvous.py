@@ -7,27 +7,33 @@ import datetime
 import os
 import signal
 import socket
+import time
 
-__all__ = ["RankFailedError", "free_port", "rank_environ"]
+from dptrain._errors import RankFailedError
+from dptrain._heartbeat import describe_exit
+
+__all__ = ["RankFailedError", "free_port", "rank_environ", "describe_exit", "stop_processes"]
 
 #: Seconds between TERM and KILL when stopping ranks.
 GRACE_S = 3.0
 
 
-class RankFailedError(RuntimeError):
-    """A rank of a job raised or exited non-zero.
+def stop_processes(procs, grace_s: float = GRACE_S, hurry=lambda: False) -> None:
+    """TERM every live process, KILL what is left after ``grace_s`` (or as soon as ``hurry()``), reap all.
 
-    Attributes:
-        rank: the global rank that failed first.
-        exit_code: its exit code (negative: killed by that signal), or None if it raised.
-        traceback_text: the traceback it printed or sent, when there was one.
+    Both launchers stop their ranks this way. Each process offers ``alive()``, ``send(sig)``
+    and ``join(timeout)``; KILL is sent to every one, exited or not, since a rank's
+    children (DataLoader workers) may outlive it in its process group.
     """
-
-    def __init__(self, message: str, rank: int, exit_code: int | None = None, traceback_text: str = ""):
-        super().__init__(message)
-        self.rank = rank
-        self.exit_code = exit_code
-        self.traceback_text = traceback_text
+    for p in procs:
+        if p.alive():
+            p.send(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.alive() for p in procs) and not hurry():
+        time.sleep(0.02)
+    for p in procs:
+        p.send(signal.SIGKILL)
+        p.join(None)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -35,19 +41,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is still running"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
-        return f"was killed by {name}{hint}"
-    return f"exited with code {code}"
 
 
 class _StoreServer:

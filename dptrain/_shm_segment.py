@@ -192,7 +192,7 @@ class _Segment:
         self.base = base
         self.seq = 0  # barriers passed by this rank
         self.reads_pending: int | None = None  # all_gather: the barrier meaning "all have read"
-        self.timeout_s = env._timeout().total_seconds()
+        self.timeout_s = env.timeout().total_seconds()
         self.broken: str | None = None
         self.count = 0  # collectives issued, for messages
         self.closed = False

@@ -87,8 +87,52 @@ def _ranks(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected ranks like 0 or 0,2, got {value!r}") from None
 
 
+_MAIN_EXAMPLES = """examples:
+  dptrain run --nproc-per-node 2 train.py --lr 0.1     # two ranks on this machine
+  dptrain run --nproc-per-node auto -m mypackage.train  # one rank per GPU (or per core)
+  dptrain slurm-script --nodes 2 --gpus-per-node 4 train.py > job.sbatch
+  dptrain env                                          # what a bug report needs
+"""
+
+_RUN_EXAMPLES = """examples:
+  dptrain run --nproc-per-node 2 train.py --lr 0.1
+  dptrain run --nproc-per-node 4 --max-restarts 3 train.py        # restart the whole job on failure
+  dptrain run --log-ranks 0 --nproc-per-node 8 train.py           # show only rank 0's output
+  dptrain run --profile --nproc-per-node 2 train.py               # per-rank step report (Trainer)
+  # two machines (run on each, with node 0's address):
+  dptrain run --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 train.py
+  dptrain run --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 train.py
+
+Every word after the script is the script's. Each rank gets torchrun's environment (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), so the same script also runs under torchrun.
+"""
+
+_SLURM_EXAMPLES = """examples:
+  dptrain slurm-script --nodes 2 --gpus-per-node 4 train.py --epochs 10 > job.sbatch && sbatch job.sbatch
+  dptrain slurm-script --nodes 4 --ntasks-per-node 2 --partition cpu train.py -o job.sbatch
+  dptrain slurm-script --nodes 2 --gpus-per-node 8 --per-node train.py     # srun one task per node, dptrain run inside
+
+The file asks Slurm for SIGUSR1 90 s before the end (--signal=USR1@90) and allows a
+requeue (--requeue): the Trainer then checkpoints, requeues the job and resumes when it runs again.
+"""
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("dptrain")
+    except metadata.PackageNotFoundError:
+        from dptrain import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dptrain", description="Data-parallel training for PyTorch.")
+    examples = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(prog="dptrain", description="Data-parallel training for PyTorch: launch, Slurm scripts, diagnostics.",
+                     epilog=_MAIN_EXAMPLES, formatter_class=examples)
+    parser.add_argument("--version", action="version", version=f"dptrain {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -96,22 +140,28 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="launch a training script on several processes (like torchrun)",
         description="Start N ranks of a script with torchrun's environment; stop them all if one fails.",
+        epilog=_RUN_EXAMPLES, formatter_class=examples,
     )
     _flag(run, "--nproc-per-node", type=_nproc, default=1, metavar="N|auto", help="ranks on this node (default 1)")
     _flag(run, "--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    _flag(run, "--node-rank", type=int, default=0, help="index of this node (default 0)")
+    _flag(run, "--node-rank", type=int, default=None,
+          help="index of this node (default: SLURM_NODEID inside a Slurm job, else 0)")
     _flag(run, "--master-addr", default=None, help="address of node 0 (required with --nnodes > 1)")
     _flag(run, "--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     _flag(run, "--log-ranks", type=_ranks, default=None, metavar="R[,R...]", help="show only these ranks' output")
     _flag(run, "--max-restarts", type=int, default=0, help="restart the whole job this many times on failure")
     _flag(run, "--timeout", type=float, default=None, help="seconds a collective may wait (default 600)")
     _flag(run, "--debug", action="store_true", help="cross-check every collective across ranks")
+    _flag(run, "--profile", action="store_true",
+          help="per-rank step report: the Trainer times data, forward, backward, exposed communication, optimizer")
     _flag(run, "--standalone", action="store_true", help="accepted for torchrun compatibility (single node)")
     _flag(run, "-m", "--module", action="store_true", help="run the program as a module (python -m)")
     run.add_argument("program", help="the training script (or module with -m)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
-    slurm = sub.add_parser("slurm-script", help="write an sbatch file that runs a script with srun")
+    slurm = sub.add_parser("slurm-script", help="write an sbatch file that runs a script with srun",
+                           description="Write an sbatch file: one task per rank with srun (or per node with --per-node), "
+                                       "requeued on preemption.", epilog=_SLURM_EXAMPLES, formatter_class=examples)
     _flag(slurm, "--nodes", type=int, default=1, help="nodes to allocate (default 1)")
     _flag(slurm, "--gpus-per-node", type=int, default=0, help="GPUs (and ranks) per node (default 0: CPU)")
     _flag(slurm, "--ntasks-per-node", type=int, default=None, help="ranks per node (default: GPUs per node, or 1)")
@@ -119,9 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(slurm, "--job-name", default="dptrain", help="job name (default dptrain)")
     _flag(slurm, "--time", default="01:00:00", help="time limit (default 01:00:00)")
     _flag(slurm, "--partition", default=None, help="partition to submit to")
+    _flag(slurm, "--per-node", action="store_true",
+          help="one srun task per node running `dptrain run` for its ranks (default: one task per rank)")
+    _flag(slurm, "--no-requeue", dest="requeue", action="store_false",
+          help="do not ask Slurm to requeue the job on preemption")
     _flag(slurm, "-o", "--output", default=None, help="write here instead of printing")
     slurm.add_argument("program", help="the training script")
     slurm.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    sub.add_parser("env", help="print what a bug report needs (versions, backends, GPUs, network, Slurm)",
+                   description="Print dptrain, torch, Python, CUDA/NCCL versions, the backends, GPUs, cores, the "
+                               "distributed environment variables, gloo's network interface, and whether shared "
+                               "memory, network namespaces and Slurm are present.",
+                   epilog="example:\n  dptrain env > env.txt     # attach to the bug report", formatter_class=examples)
     parser.script_commands = {"run": run, "slurm-script": slurm}  # type: ignore[attr-defined]
     return parser
 
@@ -147,6 +206,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return ns
 
 
+def _default_node_rank(nnodes: int) -> int:
+    """Inside a Slurm job with one ``dptrain run`` per node, the node's index is Slurm's."""
+    if nnodes > 1:
+        from dptrain.environments.slurm import node_id
+
+        found = node_id(os.environ)
+        if found is not None:
+            return found
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dptrain`` console script."""
     ns = parse_args(argv)
@@ -159,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args=list(ns.args),
                 nproc_per_node=ns.nproc_per_node,
                 nnodes=ns.nnodes,
-                node_rank=ns.node_rank,
+                node_rank=ns.node_rank if ns.node_rank is not None else _default_node_rank(ns.nnodes),
                 master_addr=ns.master_addr,
                 master_port=ns.master_port,
                 module=ns.module,
@@ -167,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_restarts=ns.max_restarts,
                 timeout=ns.timeout,
                 debug=ns.debug,
+                profile=ns.profile,
             )
             return run_job(config)
         except ValueError as exc:
@@ -185,6 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fh.write(text)
         else:
             sys.stdout.write(text)
+        return 0
+    if ns.command == "env":
+        from dptrain.envreport import format_report
+
+        sys.stdout.write(format_report())
         return 0
     return 2  # argparse rejects unknown commands before this
 

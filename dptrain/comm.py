@@ -23,6 +23,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from dptrain import _diagnostics
+from dptrain._errors import CollectiveError
+
 __all__ = [
     "CollectiveError",
     "broadcast",
@@ -50,10 +53,6 @@ _OPS = {
     "product": dist.ReduceOp.PRODUCT,
     "prod": dist.ReduceOp.PRODUCT,
 }
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the rank and the operation."""
 
 
 def is_distributed(group: Any = None) -> bool:
@@ -85,8 +84,6 @@ def _call(name: str, fn: Callable[[], Any], tensors: Sequence[torch.Tensor] = ()
     shapes of every rank before the bytes move; a failure is re-raised naming this rank
     and the operation, so a log line says more than "Connection closed by peer".
     """
-    from dptrain import _diagnostics  # late: it imports comm
-
     _diagnostics.before_collective(name, tensors, group)
     t0 = time.perf_counter() if _WAIT_CLOCK["on"] else 0.0
     try:
@@ -96,7 +93,7 @@ def _call(name: str, fn: Callable[[], Any], tensors: Sequence[torch.Tensor] = ()
     finally:
         if _WAIT_CLOCK["on"]:
             _WAIT_CLOCK["seconds"] += time.perf_counter() - t0
-    _diagnostics.after_collective(name, group)
+    _diagnostics.leave()
     return out
 
 
@@ -121,8 +118,6 @@ def guarded(name: str, group: Any = None) -> Iterator[None]:
         >>> with comm.guarded("parameter sync"):
         ...     torch.distributed.broadcast(t, src=0)
     """
-    from dptrain import _diagnostics  # late: it imports comm
-
     _diagnostics.enter(name)
     t0 = time.perf_counter() if _WAIT_CLOCK["on"] else 0.0
     try:

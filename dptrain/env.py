@@ -1,8 +1,9 @@
 """Who am I: the rank, world size and local rank of this process, and its process group.
 
-The world is one validated value (:class:`World`) built here from the environment that a
-launcher left behind -- torchrun's variables, Slurm's, or none at all (a single process) --
-and nowhere else in the package is ``os.environ`` read for it.
+The world is one validated value (:class:`World`) built here from what the launch
+environment says (:mod:`dptrain.environments`: torchrun's variables, Slurm's, or none at
+all -- a single process); ``init`` creates the process group, hands the store and the
+timeout down to the diagnostics, and starts the heartbeat.
 
 [Note: who hosts the rendezvous store]
 Under ``torchrun`` and ``dptrain run`` the launcher hosts the TCP store and every rank,
@@ -18,12 +19,15 @@ import atexit
 import dataclasses
 import datetime
 import os
-import re
 import warnings
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
+
+from dptrain import _diagnostics, _heartbeat, _join, environments
+from dptrain._heartbeat import DEFAULT_TIMEOUT_S
+from dptrain.environments import expand_nodelist
 
 __all__ = [
     "World",
@@ -40,12 +44,6 @@ __all__ = [
     "get_world",
 ]
 
-#: Seconds a collective may wait before the job is failed, when neither ``init(timeout=)``
-#: nor ``DPTRAIN_TIMEOUT`` says otherwise. Long enough for a slow checkpoint on rank 0,
-#: short enough that a stalled job does not burn a night of GPU time.
-DEFAULT_TIMEOUT_S = 600.0
-
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +61,11 @@ class World:
         source: ``"torchrun"`` (torchrun's or dptrain's launcher variables), ``"slurm"``,
             ``"single"`` or ``"external"`` (a process group someone else created).
         use_agent_store: the launcher hosts the store; rank 0 connects as a client.
-        restart_count: how many times the launcher restarted the job.
+        restart_count: how many times this job ran before: restarts by the launcher
+            (``TORCHELASTIC_RESTART_COUNT``) plus requeues by Slurm (``SLURM_RESTART_COUNT``).
+            A Trainer resumes by itself when it is above 0.
+        launch_attempt: the launcher's own restart count, which separates one attempt's keys
+            in the rendezvous store from the next one's.
     """
 
     rank: int = 0
@@ -76,6 +78,7 @@ class World:
     source: str = "single"
     use_agent_store: bool = False
     restart_count: int = 0
+    launch_attempt: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -103,177 +106,6 @@ class World:
         shutdown()
 
 
-def _int_var(env: Mapping[str, str], name: str, *, minimum: int = 0, hint: str) -> int:
-    raw = env.get(name)
-    if raw is None:
-        raise ValueError(f"environment variable {name} is not set; {hint}")
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer; {hint}") from None
-    if value < minimum:
-        raise ValueError(f"environment variable {name}={raw!r} must be >= {minimum}; {hint}")
-    return value
-
-
-_TORCHRUN_HINT = (
-    "launch with `dptrain run --nproc-per-node N script.py` or `torchrun --nproc-per-node N script.py`, "
-    "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every process"
-)
-
-
-def _world_from_torchrun(env: Mapping[str, str]) -> World:
-    world = _int_var(env, "WORLD_SIZE", minimum=1, hint=_TORCHRUN_HINT)
-    rank = _int_var(env, "RANK", hint=_TORCHRUN_HINT)
-    if rank >= world:
-        raise ValueError(
-            f"environment variable RANK={rank} is not below WORLD_SIZE={world}; "
-            f"ranks run from 0 to {world - 1}: {_TORCHRUN_HINT}"
-        )
-    # A hand-written environment (seed 000's setup()) often has no LOCAL_* variables:
-    # then every process is taken to be on one node.
-    local_world = _int_var(env, "LOCAL_WORLD_SIZE", minimum=1, hint=_TORCHRUN_HINT) if "LOCAL_WORLD_SIZE" in env else world
-    local = _int_var(env, "LOCAL_RANK", hint=_TORCHRUN_HINT) if "LOCAL_RANK" in env else rank % local_world
-    if local >= local_world:
-        raise ValueError(
-            f"environment variable LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}; {_TORCHRUN_HINT}"
-        )
-    addr = port = None
-    if world > 1:
-        addr = env.get("MASTER_ADDR")
-        if not addr:
-            raise ValueError(f"environment variable MASTER_ADDR is not set (WORLD_SIZE={world}); {_TORCHRUN_HINT}")
-        port = _int_var(env, "MASTER_PORT", minimum=1, hint=_TORCHRUN_HINT)
-        if port > 65535:
-            raise ValueError(f"environment variable MASTER_PORT={port} is not a TCP port (1..65535)")
-    node_rank = int(env["GROUP_RANK"]) if env.get("GROUP_RANK", "").isdigit() else rank // local_world
-    restarts = int(env["TORCHELASTIC_RESTART_COUNT"]) if env.get("TORCHELASTIC_RESTART_COUNT", "").isdigit() else 0
-    return World(
-        rank=rank,
-        world_size=world,
-        local_rank=local,
-        local_world_size=local_world,
-        node_rank=node_rank,
-        master_addr=addr,
-        master_port=port,
-        source="torchrun",
-        use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-        restart_count=restarts,
-    )
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, []
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in Slurm node list {text!r}")
-        if ch == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    if depth != 0:
-        raise ValueError(f"unbalanced '[' in Slurm node list {text!r}")
-    parts.append("".join(current))
-    return [p for p in parts if p]
-
-
-def _expand_range(body: str, whole: str) -> list[str]:
-    out = []
-    for item in body.split(","):
-        if "-" in item:
-            lo, hi = item.split("-", 1)
-            if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
-                raise ValueError(f"bad range {item!r} in Slurm node list {whole!r}")
-            width = len(lo)  # node[01-04] keeps its zero padding
-            out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
-        elif item.isdigit():
-            out.append(item)
-        else:
-            raise ValueError(f"bad element {item!r} in Slurm node list {whole!r}")
-    return out
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a Slurm host list expression into host names, in order.
-
-    Args:
-        nodelist: a value of ``SLURM_JOB_NODELIST`` such as ``"node[01-04,07],gpu-a"`` or
-            ``"rack[1-2]-n[1-2]"``.
-
-    Returns:
-        The host names, e.g. ``["node01", "node02", "node03", "node04", "node07", "gpu-a"]``.
-
-    Raises:
-        ValueError: on unbalanced brackets or malformed ranges.
-
-    Example:
-        >>> expand_nodelist("node[01-02,07]")
-        ['node01', 'node02', 'node07']
-    """
-    hosts: list[str] = []
-    for part in _split_top_level(nodelist.strip()):
-        expansions = [""]
-        for match in re.finditer(r"([^\[]+)|\[([^\]]*)\]", part):
-            literal, bracket = match.groups()
-            pieces = [literal] if literal is not None else _expand_range(bracket, nodelist)
-            expansions = [prefix + piece for prefix in expansions for piece in pieces]
-        hosts.extend(expansions)
-    return hosts
-
-
-def _slurm_local_world(env: Mapping[str, str], node_rank: int) -> int:
-    # SLURM_TASKS_PER_NODE looks like "4(x2),3": 4 tasks on each of two nodes, then 3.
-    raw = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
-    if not raw:
-        return 1
-    counts: list[int] = []
-    for item in raw.split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
-        if not m:
-            raise ValueError(f"environment variable SLURM_TASKS_PER_NODE={raw!r} is not understood")
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
-    return counts[min(node_rank, len(counts) - 1)]
-
-
-def _world_from_slurm(env: Mapping[str, str]) -> World:
-    hint = "run the script with `srun` inside an allocation (see `dptrain slurm-script`)"
-    world = _int_var(env, "SLURM_NTASKS", minimum=1, hint=hint)
-    rank = _int_var(env, "SLURM_PROCID", hint=hint)
-    if rank >= world:
-        raise ValueError(f"SLURM_PROCID={rank} is not below SLURM_NTASKS={world}; {hint}")
-    local = _int_var(env, "SLURM_LOCALID", hint=hint) if "SLURM_LOCALID" in env else 0
-    node_rank = int(env["SLURM_NODEID"]) if env.get("SLURM_NODEID", "").isdigit() else 0
-    local_world = _slurm_local_world(env, node_rank)
-    addr = env.get("MASTER_ADDR")
-    if not addr:
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        if not nodelist:
-            raise ValueError(f"neither MASTER_ADDR nor SLURM_JOB_NODELIST is set; {hint}")
-        addr = expand_nodelist(nodelist)[0]
-    if "MASTER_PORT" in env:
-        port = _int_var(env, "MASTER_PORT", minimum=1, hint=hint)
-    else:
-        # Every task of a job must agree on the port without talking: derive it from the job
-        # id, away from the ephemeral range, so two jobs sharing a node rarely collide.
-        job = int(env["SLURM_JOB_ID"]) if env.get("SLURM_JOB_ID", "").isdigit() else 0
-        port = 15000 + job % 20000
-    return World(
-        rank=rank,
-        world_size=world,
-        local_rank=local,
-        local_world_size=max(local_world, local + 1),
-        node_rank=node_rank,
-        master_addr=addr,
-        master_port=port,
-        source="slurm",
-    )
-
-
 def world_from_environ(environ: Mapping[str, str] | None = None) -> World:
     """Read the world from launcher variables, without creating any process group.
 
@@ -292,16 +124,7 @@ def world_from_environ(environ: Mapping[str, str] | None = None) -> World:
         ...                     "MASTER_PORT": "29500"}).rank
         1
     """
-    env = os.environ if environ is None else environ
-    if any(name in env for name in ("RANK", "WORLD_SIZE")):
-        return _world_from_torchrun(env)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and env.get("SLURM_NTASKS") != "1":
-        return _world_from_slurm(env)
-    if "LOCAL_RANK" in env:
-        raise ValueError(
-            f"LOCAL_RANK={env['LOCAL_RANK']!r} is set but RANK and WORLD_SIZE are not; {_TORCHRUN_HINT}"
-        )
-    return World()
+    return World(**environments.detect(environ))
 
 
 @dataclasses.dataclass
@@ -352,28 +175,25 @@ def _make_store(world: World, timeout: datetime.timedelta) -> dist.Store:
 
 
 def _prefixed(base: dist.Store, world: World, part: str) -> dist.Store:
-    # Keys of one launch attempt never collide with a restarted attempt's; "dp" keeps
-    # dptrain's own keys (heartbeats, join counts, debug checks) apart from the process
-    # group's ("pg"). The launcher reads and writes the same "dp" keys (launch.dist_prefix).
-    return dist.PrefixStore(part, dist.PrefixStore(f"dptrain/attempt{world.restart_count}", base))
+    # See _heartbeat's [Note: the store's key layout]: one prefix per launch attempt, then the
+    # process group's keys ("pg") apart from dptrain's own ("dp", which the launcher reads too).
+    return dist.PrefixStore(part, dist.PrefixStore(_heartbeat.attempt_prefix(world.launch_attempt), base))
 
 
 def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
     """Connect to the store and create the process group, saying what it waits for if it waits."""
-    from dptrain import _join
-
     def open_reader() -> dist.Store:
         reader = dist.TCPStore(world.master_addr, world.master_port, None, False,
                                timeout=datetime.timedelta(seconds=5))
-        return _prefixed(reader, world, "dp")
+        return _prefixed(reader, world, _heartbeat.DPTRAIN_PART)
 
     watch = _join.JoinWatch(world, td.total_seconds(), open_reader)
     try:
         base = _make_store(world, td)
         watch.connected = True
-        keys = _prefixed(base, world, "dp")
+        keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART)
         keys.append("joined", f"{world.rank},")
-        dist.init_process_group(backend, store=_prefixed(base, world, "pg"), rank=world.rank,
+        dist.init_process_group(backend, store=_prefixed(base, world, _heartbeat.PROCESS_GROUP_PART), rank=world.rank,
                                 world_size=world.world_size, timeout=td)
         _join.wait_until_all_ready(keys, world.world_size, td)
     except Exception as exc:  # noqa: BLE001 - every failure to join gets what it waited for
@@ -430,6 +250,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
             source="external",
         )
         _STATE.world, _STATE.backend, _STATE.timeout = world, dist.get_backend(), td
+        _diagnostics.configure(None, td)
         return world
     world = world_from_environ()
     chosen = backend or _default_backend(world)
@@ -440,14 +261,15 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     if world.is_distributed:
         _STATE.store = _join_job(world, chosen, td)
         _STATE.owns_group = True
-        from dptrain import _diagnostics
-
-        _diagnostics.start_heartbeat(_STATE.store, world.rank)
+        _diagnostics.configure(_STATE.store, td)  # what the guarded collectives need to explain a failure
+        _heartbeat.start(_STATE.store, world.rank)
         # A script that never calls shutdown() must still exit cleanly: a heartbeat thread or
         # process group torn down by the interpreter's exit aborts the process instead.
         # (Registered on every init; unregister first so repeated init/shutdown cycles keep one.)
         atexit.unregister(shutdown)
         atexit.register(shutdown)
+    else:
+        _diagnostics.configure(None, td)
     _STATE.world, _STATE.backend, _STATE.timeout = world, chosen, td
     return world
 
@@ -461,8 +283,6 @@ def shutdown() -> None:
     Example:
         >>> dptrain.shutdown()   # doctest: +SKIP
     """
-    from dptrain import _diagnostics
-
     _diagnostics.reset()
     if _STATE.owns_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -510,15 +330,8 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def _backend() -> str | None:
-    return _STATE.backend
-
-
-def _store() -> dist.Store | None:
-    return _STATE.store
-
-
-def _timeout() -> datetime.timedelta:
+def timeout() -> datetime.timedelta:
+    """How long a collective may wait in this job (``init(timeout=)``, ``DPTRAIN_TIMEOUT``, else 600 s)."""
     return _STATE.timeout
 
 

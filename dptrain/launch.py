@@ -27,19 +27,18 @@ from typing import Callable, Sequence
 from dptrain._janitor import Janitor, parent_death_signal
 from dptrain._join import WAIT_REPORT_S, probe, ranks_text
 from dptrain._relay import Console, Relay
+from dptrain._heartbeat import DEFAULT_TIMEOUT_S, EXITS_PUBLISHED, describe_exit, key, keys_prefix, where
 from dptrain._rendezvous import (
-    GRACE_S,
     RankFailedError,
-    _describe_exit,
     _iface_towards,
     _loopback_ifname,
     _StoreServer,
     free_port,
     rank_environ,
+    stop_processes,
 )
-from dptrain.spawn import spawn
 
-__all__ = ["LaunchConfig", "run_job", "spawn", "RankFailedError", "free_port", "rank_environ"]
+__all__ = ["LaunchConfig", "run_job", "RankFailedError", "free_port", "rank_environ"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -52,7 +51,8 @@ class LaunchConfig:
     Attributes mirror torchrun's flags: ``nproc_per_node``, ``nnodes``, ``node_rank``,
     ``master_addr``, ``master_port``; plus ``log_ranks`` (ranks whose output is shown,
     None for all), ``max_restarts``, ``timeout`` (seconds for collectives), ``debug``,
-    ``module`` (run ``python -m``), ``program`` and ``args``.
+    ``profile`` (the Trainer's per-rank step report), ``module`` (run ``python -m``),
+    ``program`` and ``args``.
     """
 
     program: str
@@ -67,6 +67,7 @@ class LaunchConfig:
     max_restarts: int = 0
     timeout: float | None = None
     debug: bool = False
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -124,10 +125,21 @@ class _RankProcess:
     def poll(self) -> int | None:
         return self.proc.poll()
 
-    def signal(self, sig: int) -> None:
+    # -- what stop_processes asks of a process --
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def send(self, sig: int) -> None:
+        """Signal the rank's whole process group (its DataLoader workers too)."""
         try:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
+            pass
+
+    def join(self, timeout: float | None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
             pass
 
     def finish_output(self, deadline: float) -> None:
@@ -142,20 +154,6 @@ def _finish_output(ranks: Sequence[_RankProcess], timeout_s: float = 5.0) -> Non
     deadline = time.monotonic() + timeout_s
     for r in ranks:
         r.finish_output(deadline)
-
-
-def _stop_ranks(ranks: Sequence[_RankProcess], grace_s: float = GRACE_S,
-                hurry: Callable[[], bool] = lambda: False) -> None:
-    """TERM every rank's process group, KILL what is left after ``grace_s`` (or once ``hurry()``)."""
-    for r in ranks:
-        if r.poll() is None:
-            r.signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(r.poll() is None for r in ranks) and not hurry():
-        time.sleep(0.02)
-    for r in ranks:
-        r.signal(signal.SIGKILL)  # also leftover workers of a rank that already exited
-        r.proc.wait()
 
 
 def _omp_threads(nproc: int) -> tuple[str | None, str | None]:
@@ -186,6 +184,7 @@ class _Signals:
     def __init__(self) -> None:
         self.received: int | None = None
         self.count = 0
+        self.forward: list[int] = []  # SIGUSR1s to pass on to the ranks
         self._old: dict[int, object] = {}
 
     def _on_signal(self, signum: int, _frame) -> None:
@@ -193,11 +192,18 @@ class _Signals:
         if self.received is None:
             self.received = signum
 
+    def _on_forwarded(self, signum: int, _frame) -> None:
+        self.forward.append(signum)
+
     def install(self) -> None:
         for name in self.NAMES:
             sig = getattr(signal, name, None)
             if sig is not None:
                 self._old[sig] = signal.signal(sig, self._on_signal)
+        # Slurm's warning before the end of a job (`#SBATCH --signal=USR1@90`) reaches the
+        # launcher when srun runs one task per node: the ranks' Trainer is what acts on it.
+        if hasattr(signal, "SIGUSR1"):
+            self._old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_forwarded)
 
     def restore(self) -> None:
         for sig, handler in self._old.items():
@@ -215,12 +221,6 @@ def _read_error_file(path: str) -> str:
     if isinstance(message, dict):
         return str(message.get("extraInfo", {}).get("py_callstack") or message.get("message", ""))
     return str(message)
-
-
-def _where(beat: dict) -> str:
-    """A rank's heartbeat in words: "waiting in all_reduce #7, 3 steps"."""
-    where = f"waiting in {beat['op']} #{beat['seq']}" if beat["op"] else f"outside any collective after #{beat['seq']}"
-    return f"{where}, {beat['ticks']} steps"
 
 
 class _Job:
@@ -267,7 +267,7 @@ class _Job:
     def _connect(self) -> None:
         config = self.config
         self.host = config.master_addr or "127.0.0.1"
-        timeout = config.timeout or 600.0
+        timeout = config.timeout or DEFAULT_TIMEOUT_S
         if config.node_rank == 0:
             # Single node: 127.0.0.1 only. Several nodes: the explicit master address only.
             self.server = _StoreServer(self.host, config.master_port or 0, config.world_size, timeout_s=timeout)
@@ -319,6 +319,8 @@ class _Job:
             env["DPTRAIN_TIMEOUT"] = str(config.timeout)
         if config.debug:
             env["DPTRAIN_DEBUG"] = "1"
+        if config.profile:
+            env["DPTRAIN_PROFILE"] = "1"
         if "GLOO_SOCKET_IFNAME" not in env:
             iface = _loopback_ifname() if config.nnodes == 1 else _iface_towards(self.host)
             if iface:
@@ -355,7 +357,7 @@ class _Job:
         self.ranks = []
         self.exits: dict[int, tuple[int, float]] = {}  # rank -> (exit code, time.monotonic())
         self._early_exit_reported = False
-        self._publish(f"{dist_prefix(attempt)}/exit/published", "1")
+        self._publish(f"{keys_prefix(attempt)}/{EXITS_PUBLISHED}", "1")
         for local in range(config.nproc_per_node):
             if self.signals.received:
                 return
@@ -382,9 +384,9 @@ class _Job:
         return None
 
     def _heartbeat(self, attempt: int, rank: int) -> dict | None:
-        key = f"{dist_prefix(attempt)}/hb/{rank}"
+        name = f"{keys_prefix(attempt)}/{key('hb', rank)}"
         try:
-            return json.loads(self.store.get(key)) if self.store.check([key]) else None
+            return json.loads(self.store.get(name)) if self.store.check([name]) else None
         except Exception:  # noqa: BLE001 - best effort: the store may be going away
             return None
 
@@ -407,11 +409,11 @@ class _Job:
             idle = now - entry[1]
             if idle >= self.stall_s and now - entry[2] >= self.stall_s:
                 entry[2] = now
-                self.log(f"dptrain run: rank {r.rank} has made no progress for {idle:.0f}s ({_where(b)})")
+                self.log(f"dptrain run: rank {r.rank} has made no progress for {idle:.0f}s ({where(b)})")
 
     def _record_exit(self, attempt: int, r: _RankProcess, code: int) -> None:
         self.exits[r.rank] = (code, time.monotonic())
-        self._publish(f"{dist_prefix(attempt)}/exit/{r.rank}", json.dumps({"code": code, "t": time.time()}))
+        self._publish(f"{keys_prefix(attempt)}/{key('exit', r.rank)}", json.dumps({"code": code, "t": time.time()}))
 
     def _report_early_exit(self, attempt: int, running: list[_RankProcess]) -> None:
         """Once: ranks that exited 0 while others still run, ``stall_s`` after the first of them."""
@@ -427,7 +429,7 @@ class _Job:
         live = [r.rank for r in running]
         still = f"rank {live[0]} is" if len(live) == 1 else f"ranks {ranks_text(live)} are"
         beats = {r: self._heartbeat(attempt, r) for r in live}
-        states = "; ".join(f"rank {r}: {_where(b)}" for r, b in beats.items() if b)
+        states = "; ".join(f"rank {r}: {where(b)}" for r, b in beats.items() if b)
         waiting = [r for r, b in beats.items() if b and b["op"]]
         hint = ""
         if waiting:
@@ -442,6 +444,11 @@ class _Job:
         seen: dict[int, list] = {}
         polls = 0
         while not self.signals.received:
+            while self.signals.forward:
+                sig = self.signals.forward.pop(0)
+                for r in self.ranks:  # the rank only: SIGUSR1 would end its DataLoader workers
+                    if r.alive():
+                        os.kill(r.proc.pid, sig)
             running = []
             for r in self.ranks:
                 code = r.poll()
@@ -470,7 +477,7 @@ class _Job:
     def stop_all(self) -> None:
         """Stop every rank (a second signal cuts the grace period short) and show their last output."""
         count = self.signals.count
-        _stop_ranks(self.ranks, hurry=lambda: self.signals.count > count)
+        stop_processes(self.ranks, hurry=lambda: self.signals.count > count)
         _finish_output(self.ranks)
         for r in self.ranks:
             self.janitor.tell("forget", r.proc.pid)
@@ -481,7 +488,7 @@ class _Job:
         if failed is not None:
             code = failed.poll()
             what = (f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
-                    f"{_describe_exit(code)}")
+                    f"{describe_exit(code)}")
             self._publish(f"launcher/failed/{attempt}", f"on node {config.node_rank}: {what}")
             earlier = sorted(rank for rank, (c, _) in self.exits.items() if c == 0)
             if earlier:
@@ -504,7 +511,7 @@ class _Job:
         import shutil
 
         if self.ranks:
-            _stop_ranks(self.ranks, grace_s=0.5)
+            stop_processes(self.ranks, grace_s=0.5)
         self.janitor.done()
         if self.server:
             self.server.close()
@@ -513,11 +520,6 @@ class _Job:
 
 _POLL_S = 0.05
 _STALL_EVERY = 20  # check heartbeats and peers once a second
-
-
-def dist_prefix(attempt: int) -> str:
-    """Store prefix under which ranks of ``attempt`` keep dptrain's own keys (see env.init)."""
-    return f"dptrain/attempt{attempt}/dp"
 
 
 def run_job(config: LaunchConfig) -> int:

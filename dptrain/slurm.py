@@ -1,14 +1,18 @@
 """``dptrain slurm-script``: write an sbatch file that runs a dptrain script on Slurm.
 
 The file starts one task per rank with ``srun``; each task finds its rank, the world size,
-its local rank and the master address from Slurm's variables (see ``dptrain.env``), so no
-``torchrun`` runs inside the allocation and no rendezvous endpoint has to be spelled out.
+its local rank and the master address from Slurm's variables (see
+:mod:`dptrain.environments.slurm`), so no ``torchrun`` runs inside the allocation and no
+rendezvous endpoint has to be spelled out. With ``--per-node`` one task per node runs
+``dptrain run`` for that node's ranks instead. Either way the job asks for SIGUSR1 90 s
+before its end and may be requeued: the Trainer checkpoints, requeues and later resumes.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+import sys
 from typing import Any
 
 __all__ = ["render_sbatch"]
@@ -46,28 +50,48 @@ def render_sbatch(ns: Any) -> str:
     if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d\d){0,2}", ns.time):
         raise ValueError(f"--time {ns.time!r} is not a Slurm time limit such as 01:00:00 or 2-00:00:00")
     safe_name = re.sub(r"[^A-Za-z0-9_.-]", "_", ns.job_name)
+    per_node = bool(getattr(ns, "per_node", False))
+    python = shlex.quote(sys.executable)  # this environment's interpreter, not whatever `python` is there
+    script = " ".join(shlex.quote(a) for a in [ns.program, *ns.args])
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={safe_name}",
         f"#SBATCH --nodes={ns.nodes}",
-        f"#SBATCH --ntasks-per-node={tasks}",
+        f"#SBATCH --ntasks-per-node={1 if per_node else tasks}",
     ]
     if ns.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={ns.gpus_per_node}")
-    lines.append(f"#SBATCH --cpus-per-task={ns.cpus_per_task}")
+    lines.append(f"#SBATCH --cpus-per-task={ns.cpus_per_task * (tasks if per_node else 1)}")
     if ns.partition:
         lines.append(f"#SBATCH --partition={ns.partition}")
-    lines += [
-        f"#SBATCH --time={ns.time}",
-        f"#SBATCH --output={safe_name}_%j.out",
-        "",
-        f"# {ns.nodes * tasks} ranks: {ns.nodes} node(s) x {tasks} task(s). Each task reads SLURM_PROCID,",
-        "# SLURM_NTASKS and SLURM_LOCALID in dptrain.init(); node 0 hosts the rendezvous store.",
-        'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "export MASTER_PORT=$((15000 + SLURM_JOB_ID % 20000))",
-        "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}",
-        "",
-        "srun --kill-on-bad-exit=1 python -u " + " ".join(shlex.quote(a) for a in [ns.program, *ns.args]),
-        "",
-    ]
+    lines += [f"#SBATCH --time={ns.time}", f"#SBATCH --output={safe_name}_%j.out"]
+    # SIGUSR1 90 s before the end reaches every task: the Trainer checkpoints and requeues.
+    lines.append("#SBATCH --signal=USR1@90")
+    if getattr(ns, "requeue", True):
+        lines.append("#SBATCH --requeue")
+    lines += ["", f"export OMP_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-1}}"]
+    if per_node:
+        lines[-1] = f"export OMP_NUM_THREADS=$(( ${{SLURM_CPUS_PER_TASK:-{tasks}}} / {tasks} ))"
+        lines += [
+            "",
+            f"# {ns.nodes} node(s) x {tasks} rank(s): one task per node runs `dptrain run` for its ranks. The",
+            "# rendezvous is node 0's first host and the port dptrain derives from the job id.",
+            "MASTER_ADDR=$(" + python + " -c 'import os; from dptrain.environments.slurm import expand_nodelist; "
+            "print(expand_nodelist(os.environ[\"SLURM_JOB_NODELIST\"])[0])')",
+            "MASTER_PORT=$(" + python + " -c 'import os; from dptrain.environments.slurm import master_port; "
+            "print(master_port(int(os.environ[\"SLURM_JOB_ID\"])))')",
+            "",
+            # Each task's node rank is its SLURM_NODEID, which `dptrain run` reads when --node-rank is omitted.
+            f"srun --kill-on-bad-exit=1 {python} -u -m dptrain run --nnodes {ns.nodes} --nproc-per-node {tasks} "
+            f"--master-addr \"$MASTER_ADDR\" --master-port \"$MASTER_PORT\" {script}",
+            "",
+        ]
+    else:
+        lines += [
+            "",
+            f"# {ns.nodes * tasks} ranks: {ns.nodes} node(s) x {tasks} task(s). Each task finds its rank, the world,",
+            "# its local rank, node 0's address and the job's port from Slurm's variables in dptrain.init().",
+            f"srun --kill-on-bad-exit=1 {python} -u {script}",
+            "",
+        ]
     return "\n".join(lines)

@@ -15,7 +15,8 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from dptrain._rendezvous import GRACE_S, RankFailedError, _describe_exit, _loopback_ifname, _StoreServer, rank_environ
+from dptrain._heartbeat import DEFAULT_TIMEOUT_S, describe_exit
+from dptrain._rendezvous import RankFailedError, _loopback_ifname, _StoreServer, rank_environ, stop_processes
 
 __all__ = ["spawn"]
 
@@ -58,18 +59,24 @@ def _spawn_entry(fn, rank, nprocs, port, args, conn, extra_env) -> None:
     conn.close()
 
 
-def _stop_processes(procs: Sequence[Any], grace_s: float = GRACE_S) -> None:
-    """TERM every live process, then KILL what is left after ``grace_s``."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+class _Rank:
+    """A spawned rank, as :func:`dptrain._rendezvous.stop_processes` asks for it."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def send(self, sig: int) -> None:
+        if self.process.is_alive():
+            try:
+                os.kill(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def join(self, timeout: float | None) -> None:
+        self.process.join(5 if timeout is None else timeout)
 
 
 def spawn(
@@ -116,7 +123,7 @@ def spawn(
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"spawn needs nprocs >= 1, got {nprocs!r}")
     ctx = mp.get_context(start_method)
-    server = _StoreServer("127.0.0.1", 0, nprocs, timeout_s=timeout or 600.0)
+    server = _StoreServer("127.0.0.1", 0, nprocs, timeout_s=timeout or DEFAULT_TIMEOUT_S)
     extra_env = dict(env or {})
     if "GLOO_SOCKET_IFNAME" not in os.environ and _loopback_ifname():
         extra_env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
@@ -135,7 +142,7 @@ def spawn(
             conns.append(parent_end)
         return _watch_spawned(procs, conns, timeout)
     finally:
-        _stop_processes(procs)
+        stop_processes([_Rank(p) for p in procs])
         for c in conns:
             c.close()
         server.close()
@@ -177,7 +184,7 @@ def _watch_spawned(procs, conns, timeout) -> list[Any]:
             if p.exitcode == 0 and not done[rank]:
                 raise RankFailedError(f"rank {rank} of {n} exited without returning a result", rank, 0)
             if p.exitcode != 0:
-                raise RankFailedError(f"rank {rank} of {n} {_describe_exit(p.exitcode)}", rank, p.exitcode)
+                raise RankFailedError(f"rank {rank} of {n} {describe_exit(p.exitcode)}", rank, p.exitcode)
         if deadline is not None and time.monotonic() >= deadline:
             running = [r for r in range(n) if not done[r]]
             raise TimeoutError(

@@ -4,6 +4,9 @@ import os
 import subprocess
 import sys
 
+import shlex
+import sys
+
 import pytest
 
 from dptrain.cli import build_parser, main, parse_args
@@ -65,10 +68,53 @@ def test_slurm_script(tmp_path, capsys):
     text = target.read_text()
     for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --partition=gpu", "#SBATCH --time=00:05:00",
-                 "srun --kill-on-bad-exit=1 python -u train.py --epochs 3"]:
+                 # this environment's interpreter, never a bare `python` (issue: a job must not run another Python)
+                 f"srun --kill-on-bad-exit=1 {shlex.quote(sys.executable)} -u train.py --epochs 3",
+                 "#SBATCH --signal=USR1@90", "#SBATCH --requeue"]:
         assert line in text
+    assert "MASTER_PORT" not in text  # dptrain.init derives the rendezvous from Slurm's variables
     assert main(["slurm-script", "--nodes", "1", "train.py"]) == 0
     assert "#SBATCH --ntasks-per-node=1" in capsys.readouterr().out
+
+
+def test_slurm_script_per_node_runs_the_launcher_on_each_node(capsys):
+    assert main(["slurm-script", "--nodes", "3", "--gpus-per-node", "8", "--per-node", "--no-requeue",
+                 "train.py", "--tag", "a $b"]) == 0
+    text = capsys.readouterr().out
+    assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --cpus-per-task=32" in text
+    assert "#SBATCH --requeue" not in text and "#SBATCH --signal=USR1@90" in text
+    assert (f"srun --kill-on-bad-exit=1 {shlex.quote(sys.executable)} -u -m dptrain run --nnodes 3 --nproc-per-node 8 "
+            f"--master-addr \"$MASTER_ADDR\" --master-port \"$MASTER_PORT\" train.py --tag 'a $b'") in text
+
+
+def test_node_rank_defaults_to_slurms_inside_a_job(monkeypatch):
+    from dptrain import cli
+
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    assert cli._default_node_rank(3) == 2 and cli._default_node_rank(1) == 0
+    monkeypatch.delenv("SLURM_NODEID")
+    assert cli._default_node_rank(3) == 0
+
+
+def test_help_shows_examples_and_version(capsys):
+    for words in (["--help"], ["run", "--help"], ["slurm-script", "--help"], ["env", "--help"]):
+        with pytest.raises(SystemExit):
+            main(words)
+        out = capsys.readouterr().out
+        assert "example" in out and "dptrain " in out, words
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("dptrain 0.")
+
+
+def test_env_report_lists_what_a_bug_report_needs(capsys, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    for piece in ("versions:", "torch: ", "python: ", "nccl", "backends:", "gloo: True", "hardware:", "cpu cores:",
+                  "environment variables:", "MASTER_ADDR: 127.0.0.1", "gloo interface:", "shared memory (/dev/shm)",
+                  "ip netns:", "slurm:"):
+        assert piece in out, piece
 
 
 @pytest.mark.parametrize("args, message", [

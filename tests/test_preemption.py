@@ -44,7 +44,7 @@ def _preempted_rank(rank, cdir, signal_at):
 
 
 def _resumed_rank(rank, cdir):
-    t = _trainer(cdir, steps=4)  # resume=None: automatic after a requeue
+    t = _trainer(cdir, resume=None, steps=4)  # automatic after a requeue (SLURM_RESTART_COUNT > 0)
     t.fit(3)
     return {"from": t.resumed_from, "params": _params(t)}
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from dptrain import _diagnostics, comm
+from dptrain import _heartbeat, comm
 from dptrain._tensors import move_to_device
 from dptrain.data import prepare_dataloader
 from dptrain.env import _warn_once_main, device as _default_device, get_world
@@ -469,7 +469,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if not skip:
             self.global_step += 1
-            _diagnostics.tick()  # the launcher's stall report counts these steps
+            _heartbeat.tick()  # the launcher's stall report counts these steps
             if self.scheduler is not None and cfg.scheduler_interval == "step":
                 self.scheduler.step()
         if info is not None:

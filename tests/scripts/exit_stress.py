@@ -20,15 +20,15 @@ import traceback
 import torch
 
 import dptrain
-from dptrain import _diagnostics, comm, env
-from dptrain._rendezvous import _describe_exit, free_port
+from dptrain import _heartbeat, comm, env
+from dptrain._rendezvous import describe_exit as _describe_exit, free_port
 
 
 def rank_main(rank: int, port: int, kind: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DPTRAIN_TIMEOUT="60")
     dptrain.init(backend="gloo")
-    _diagnostics.start_heartbeat(env._store(), rank, interval=0.002)
+    _heartbeat.start(env._STATE.store, rank, interval=0.002)
     if kind & 1:  # else: leave right after init, as a script that only prints its rank does
         t = torch.ones(4)
         comm.all_reduce(t)

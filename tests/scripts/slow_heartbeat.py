@@ -5,7 +5,7 @@ import time
 
 import torch.distributed as dist
 
-from dptrain import _diagnostics
+from dptrain import _heartbeat
 
 server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
 client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=datetime.timedelta(seconds=30))
@@ -20,7 +20,7 @@ class SlowStore:
             client.set(key, value)
 
 
-_diagnostics.start_heartbeat(SlowStore(), 0, interval=0.01)
+_heartbeat.start(SlowStore(), 0, interval=0.01)
 time.sleep(0.3)
-_diagnostics.stop_heartbeat()
+_heartbeat.stop()
 print("stopped", flush=True)
