@@ -8,60 +8,80 @@ One script trains the same way on one CPU, on every GPU of a machine, and across
     sampler = dptrain.DistributedSampler(dataset)    # PyTorch's indices, resumable
 
 Launch with ``dptrain run --nproc-per-node 2 train.py`` (or ``torchrun``).
+
+The public names are imported when first used (``dptrain.DDP`` imports the DDP module),
+so ``import dptrain`` is cheap and the ``dptrain run`` launcher starts its ranks before it
+imports torch itself.
 """
 
-from dptrain import comm
-from dptrain.env import (
-    World,
-    device,
-    get_world,
-    init,
-    is_initialized,
-    is_main_process,
-    local_rank,
-    rank,
-    shutdown,
-    world_size,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported now (neither needs torch): `dptrain.spawn` must stay the function even after the
+# module of the same name is imported, which rebinds the package attribute.
 from dptrain._errors import RankFailedError
 from dptrain.spawn import spawn
-from dptrain.data import DistributedSampler, gather_results, main_process_first, prepare_dataloader
-from dptrain.parallel.ddp import DDP, DistributedDataParallel
-from dptrain.parallel.fsdp import FSDP, FullyShardedDataParallel
-from dptrain.parallel.dp import DataParallel
-from dptrain.parallel.zero import ZeroRedundancyOptimizer
-from dptrain import checkpoint
-from dptrain.seeding import seed_everything
-from dptrain.train import Trainer, TrainerConfig
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "World",
-    "comm",
-    "device",
-    "get_world",
-    "init",
-    "is_initialized",
-    "is_main_process",
-    "local_rank",
-    "rank",
-    "shutdown",
-    "spawn",
-    "world_size",
-    "RankFailedError",
-    "DistributedSampler",
-    "prepare_dataloader",
-    "gather_results",
-    "main_process_first",
-    "DistributedDataParallel",
-    "DDP",
-    "FullyShardedDataParallel",
-    "FSDP",
-    "DataParallel",
-    "ZeroRedundancyOptimizer",
-    "checkpoint",
-    "seed_everything",
-    "Trainer",
-    "TrainerConfig",
-]
+# public name -> the module that defines it (a module name alone: the module itself)
+_EXPORTS = {
+    "World": "dptrain.env",
+    "device": "dptrain.env",
+    "get_world": "dptrain.env",
+    "init": "dptrain.env",
+    "is_initialized": "dptrain.env",
+    "is_main_process": "dptrain.env",
+    "local_rank": "dptrain.env",
+    "rank": "dptrain.env",
+    "shutdown": "dptrain.env",
+    "world_size": "dptrain.env",
+    "comm": "dptrain.comm",
+    "checkpoint": "dptrain.checkpoint",
+    "DistributedSampler": "dptrain.data",
+    "prepare_dataloader": "dptrain.data",
+    "gather_results": "dptrain.data",
+    "main_process_first": "dptrain.data",
+    "DistributedDataParallel": "dptrain.parallel.ddp",
+    "DDP": "dptrain.parallel.ddp",
+    "FullyShardedDataParallel": "dptrain.parallel.fsdp",
+    "FSDP": "dptrain.parallel.fsdp",
+    "DataParallel": "dptrain.parallel.dp",
+    "ZeroRedundancyOptimizer": "dptrain.parallel.zero",
+    "seed_everything": "dptrain.seeding",
+    "Trainer": "dptrain.train",
+    "TrainerConfig": "dptrain.train",
+}
+
+_MODULES = {"comm", "checkpoint"}  # exported as modules
+
+__all__ = [*_EXPORTS, "spawn", "RankFailedError"]
+
+
+def __getattr__(name: str) -> Any:
+    target = _EXPORTS.get(name)
+    if target is None:
+        raise AttributeError(f"module 'dptrain' has no attribute {name!r}")
+    module = importlib.import_module(target)
+    value = module if name in _MODULES else getattr(module, name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from dptrain import checkpoint, comm
+    from dptrain.data import DistributedSampler, gather_results, main_process_first, prepare_dataloader
+    from dptrain.env import (World, device, get_world, init, is_initialized, is_main_process, local_rank, rank,
+                             shutdown, world_size)
+    from dptrain.parallel.ddp import DDP, DistributedDataParallel
+    from dptrain.parallel.dp import DataParallel
+    from dptrain.parallel.fsdp import FSDP, FullyShardedDataParallel
+    from dptrain.parallel.zero import ZeroRedundancyOptimizer
+    from dptrain.seeding import seed_everything
+    from dptrain.train import Trainer, TrainerConfig

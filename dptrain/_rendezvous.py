@@ -51,9 +51,10 @@ class _StoreServer:
     """
 
     def __init__(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        import torch.distributed as dist
-
         self.host = host
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.store = None
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -66,17 +67,27 @@ class _StoreServer:
                     f"--master-port, or omit --master-port on a single node to get a free one"
                 ) from None
             raise ValueError(f"cannot listen on {host} ({exc.strerror}); check --master-addr") from None
+        # Listening already: ranks started before serve() queue in the backlog and are answered
+        # once the store runs, so a launcher can start its ranks before it imports torch.
         self._sock.listen(512)
         self.port = self._sock.getsockname()[1]
-        td = datetime.timedelta(seconds=timeout_s)
-        try:
-            self.store = dist.TCPStore(
-                host, self.port, world_size, True, timeout=td, wait_for_workers=False,
-                master_listen_fd=self._sock.fileno(),
-            )
-        except TypeError:  # torch without master_listen_fd: let the store bind by itself
-            self._sock.close()
-            self.store = dist.TCPStore(host, self.port, world_size, True, timeout=td, wait_for_workers=False)
+
+    def serve(self):
+        """Start the store on the bound socket (imports torch); returns it."""
+        import torch.distributed as dist
+
+        if self.store is None:
+            td = datetime.timedelta(seconds=self.timeout_s)
+            try:
+                self.store = dist.TCPStore(
+                    self.host, self.port, self.world_size, True, timeout=td, wait_for_workers=False,
+                    master_listen_fd=self._sock.fileno(),
+                )
+            except TypeError:  # torch without master_listen_fd: let the store bind by itself
+                self._sock.close()
+                self.store = dist.TCPStore(self.host, self.port, self.world_size, True, timeout=td,
+                                           wait_for_workers=False)
+        return self.store
 
     def close(self) -> None:
         self.store = None

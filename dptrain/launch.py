@@ -268,22 +268,36 @@ class _Job:
         config = self.config
         self.host = config.master_addr or "127.0.0.1"
         timeout = config.timeout or DEFAULT_TIMEOUT_S
+        self.store = None
         if config.node_rank == 0:
             # Single node: 127.0.0.1 only. Several nodes: the explicit master address only.
+            # Only bound here: the store itself starts after the ranks (see _open_store).
             self.server = _StoreServer(self.host, config.master_port or 0, config.world_size, timeout_s=timeout)
-            self.store = self.server.store
         else:
             self._wait_for_master(timeout)
-            import torch.distributed as dist
-
-            try:
-                self.store = dist.TCPStore(self.host, config.master_port, None, False,
-                                           timeout=datetime.timedelta(seconds=timeout))
-            except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
-                raise ValueError(f"node {config.node_rank} reached {self.host}:{config.master_port} but no "
-                                 f"rendezvous store answered there ({str(exc).strip()[:200]}); is --master-port "
-                                 f"the port that `dptrain run --node-rank 0` listens on?") from None
         self.port = self.server.port if self.server else config.master_port
+
+    def _open_store(self) -> None:
+        """The store this launcher reads and writes: hosted on node 0, a client elsewhere.
+
+        Called once the first ranks are started: importing torch takes about a second, and
+        the ranks spend it importing torch themselves instead of waiting for the launcher.
+        """
+        if self.store is not None:
+            return
+        if self.server is not None:
+            self.store = self.server.serve()
+            return
+        import torch.distributed as dist
+
+        config = self.config
+        try:
+            self.store = dist.TCPStore(self.host, config.master_port, None, False,
+                                       timeout=datetime.timedelta(seconds=config.timeout or DEFAULT_TIMEOUT_S))
+        except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
+            raise ValueError(f"node {config.node_rank} reached {self.host}:{config.master_port} but no "
+                             f"rendezvous store answered there ({str(exc).strip()[:200]}); is --master-port "
+                             f"the port that `dptrain run --node-rank 0` listens on?") from None
 
     def _wait_for_master(self, timeout: float) -> None:
         """Wait for node 0's store, saying every ``DPTRAIN_WAIT_REPORT_S`` what it waits for."""
@@ -357,7 +371,6 @@ class _Job:
         self.ranks = []
         self.exits: dict[int, tuple[int, float]] = {}  # rank -> (exit code, time.monotonic())
         self._early_exit_reported = False
-        self._publish(f"{keys_prefix(attempt)}/{EXITS_PUBLISHED}", "1")
         for local in range(config.nproc_per_node):
             if self.signals.received:
                 return
@@ -367,6 +380,8 @@ class _Job:
             proc = _RankProcess(rank, local, self.cmd, environ, show, self.console)
             self.ranks.append(proc)
             self.janitor.tell("group", proc.proc.pid)
+        self._open_store()
+        self._publish(f"{keys_prefix(attempt)}/{EXITS_PUBLISHED}", "1")
 
     def _publish(self, key: str, value: str) -> None:
         try:

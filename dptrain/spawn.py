@@ -124,6 +124,7 @@ def spawn(
         raise ValueError(f"spawn needs nprocs >= 1, got {nprocs!r}")
     ctx = mp.get_context(start_method)
     server = _StoreServer("127.0.0.1", 0, nprocs, timeout_s=timeout or DEFAULT_TIMEOUT_S)
+    server.serve()
     extra_env = dict(env or {})
     if "GLOO_SOCKET_IFNAME" not in os.environ and _loopback_ifname():
         extra_env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())

@@ -20,7 +20,7 @@ def reference(tmp_path_factory):
     return d.pop()
 
 
-TRIALS = int(os.environ.get("DPTRAIN_KILL_TRIALS", "5"))
+TRIALS = int(os.environ.get("DPTRAIN_KILL_TRIALS", "3"))  # benchmarks/soak.py runs many more
 _seed = int(os.environ.get("DPTRAIN_KILL_SEED", str(int(time.time()))))
 _rng = random.Random(_seed)
 POINTS = _rng.sample([(r, b) for r in range(2) for b in range(1, BATCHES_PER_RANK + 1)], TRIALS)  # distinct points
