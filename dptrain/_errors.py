@@ -41,3 +41,13 @@ class RankFailedError(RuntimeError):
         self.rank = rank
         self.exit_code = exit_code
         self.traceback_text = traceback_text
+
+    def __reduce__(self):  # pickled across processes with all its fields
+        return (type(self), (str(self), self.rank, self.exit_code, self.traceback_text))
+
+
+# Tracebacks and pickles name each error where users import it from (those modules re-export it).
+CollectiveError.__module__ = "dptrain.comm"
+CollectiveMismatchError.__module__ = "dptrain.comm"
+ModelMismatchError.__module__ = "dptrain.parallel"
+RankFailedError.__module__ = "dptrain"

@@ -181,6 +181,9 @@ class Relay:
         self._pipe = pipe
         self._rank = rank
         self._prefix = f"[rank{rank}] ".encode()
+        # torch prints an uncaught exception in a rank as "[rank1]: Traceback ..."; under our
+        # own prefix that would read "[rank1] [rank1]: Traceback", so torch's copy is dropped.
+        self._torch_prefix = f"[rank{rank}]:".encode()
         self._index = index
         self._console = console
         self._show = show
@@ -230,8 +233,13 @@ class Relay:
             self._emitted = pending
         return pending
 
+    def _own(self, line: bytes) -> bytes:
+        if line.startswith(self._torch_prefix):
+            return line[len(self._torch_prefix):].removeprefix(b" ")
+        return line
+
     def _on_data(self, data: bytes) -> None:
-        finished = self._split.feed(data)
+        finished = [self._own(line) for line in self._split.feed(data)]
         self._remember(finished)
         if not self._show:
             return

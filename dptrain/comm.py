@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from dptrain import _diagnostics
-from dptrain._errors import CollectiveError
+from dptrain._errors import CollectiveError, CollectiveMismatchError
 
 __all__ = [
     "CollectiveError",
+    "CollectiveMismatchError",
     "broadcast",
     "reduce",
     "all_reduce",
