@@ -1,7 +1,7 @@
 """Image classification with ResNet-18 on every rank, trained by dptrain's Trainer.
 
-Seed 000's CIFAR-10 program, completed: the same flags, plus a dev split for model
-selection, checkpoints that resume exactly, and a held-out test accuracy at the end.
+The classic CIFAR-10 DDP tutorial program, completed: the same flags, plus a dev split for
+model selection, checkpoints that resume exactly, and a held-out test accuracy at the end.
 With no ``--data-dir`` it trains on scikit-learn's bundled handwritten digits (1797 8x8
 images, no download) and finishes in about a minute on two CPU cores.
 
@@ -21,8 +21,13 @@ Launch (paste-able)::
     # crash-proof: checkpoint every 20 steps, restart up to 3 times, resume automatically
     dptrain run --nproc-per-node 2 --max-restarts 3 examples/image_classification.py --save_every_steps 20
 
-    # continue a finished or interrupted run from its newest checkpoint
+    # continue a finished or interrupted run from its newest checkpoint, here for 4 more epochs
+    # (the one-cycle schedule is re-planned for 12 epochs and fast-forwarded to where it was)
     dptrain run --nproc-per-node 2 examples/image_classification.py --num_epochs 12 --resume
+
+    # bf16 mixed precision (CPU autocast, or CUDA), and a per-rank report of where step time goes
+    dptrain run --nproc-per-node 2 examples/image_classification.py --amp bf16
+    dptrain run --profile --nproc-per-node 2 examples/image_classification.py
 
 The last line printed is ``test accuracy: X`` (rank 0).
 """
@@ -58,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save_every_steps", type=int, default=0, help="also checkpoint every N optimizer steps")
     p.add_argument("--log_dir", default=None, help="TensorBoard directory (rank 0 writes)")
     p.add_argument("--num_workers", type=int, default=0, help="DataLoader workers per process")
+    p.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"],
+                   help="mixed precision: bf16 (CPU or CUDA autocast) or fp16 (CUDA, with a gradient scaler)")
     return p.parse_args(argv)
 
 
@@ -100,6 +107,8 @@ def main(argv=None) -> float:
         best_mode="max",
         scheduler_interval="step",
         log_dir=args.log_dir,
+        amp=args.amp != "none",
+        amp_dtype="bfloat16" if args.amp == "bf16" else "float16",
         export_safetensors=os.path.join(args.model_dir, os.path.splitext(args.model_filename)[0] + ".safetensors"),
     )
     trainer = dptrain.Trainer(

@@ -1,4 +1,4 @@
-"""Seed 000's six steps of data-parallel training, with dptrain's parts and no Trainer.
+"""The six steps of a data-parallel training script, with dptrain's parts and no Trainer.
 
 The shortest complete data-parallel script: every step is a line or two.
 

@@ -1,5 +1,5 @@
 """Blood-brain-barrier penetration from SMILES strings: a bidirectional LSTM over
-characters, trained on every rank by dptrain's Trainer (seed 001's workshop, distributed).
+characters, trained on every rank by dptrain's Trainer (a molecular property workshop, distributed).
 
 Data: a BBBP-format CSV (columns ``name``, ``p_np``, ``smiles``; e.g. MoleculeNet's
 BBBP.csv) given with ``--data-path``. Without it the script uses a SYNTHETIC set of
@@ -134,7 +134,8 @@ def main(argv=None) -> float:
     if dptrain.is_main_process():
         print(f"data: {len(smiles)} molecules, {sum(labels)} positive; {source}", flush=True)
 
-    # Seed 001's split, stratified by label; identical on every rank (same seed).
+    # The workshop's split (10 % held out, then 20 % of the rest as dev), stratified by label;
+    # identical on every rank (same seed).
     idx = list(range(len(smiles)))
     visible, heldout = train_test_split(idx, stratify=labels, shuffle=True, test_size=0.1, random_state=args.random_seed)
     train_ix, dev_ix = train_test_split(

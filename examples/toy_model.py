@@ -1,4 +1,4 @@
-"""The ToyModel of PyTorch's DDP tutorial, trained with dptrain's DDP (seed 004's form).
+"""The ToyModel of PyTorch's DDP tutorial, trained with dptrain's DDP (the tutorial's spawn form).
 
 Run as a plain script, it starts its own ranks with ``dptrain.spawn`` (the in-process
 launcher, shaped like ``torch.multiprocessing.spawn``). Run under a launcher, each process

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _get_device_index
 
+from dptrain._tensors import map_tensors
 from dptrain import comm
 
 __all__ = ["DDPSetupError", "output_device_index", "map_tensors"]
@@ -245,16 +246,3 @@ def verify_same_model(module: nn.Module, ignore: set[str], settings: dict, group
             f"DistributedDataParallel on rank {dist.get_rank(group)}: the ranks built different models: {problem}. "
             "Build the same model on every rank (same code, same arguments) before wrapping it."
         )
-
-
-def map_tensors(obj: Any, fn: Any) -> Any:
-    """``obj`` with ``fn`` applied to every tensor inside (lists, tuples, namedtuples, dicts)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(x, fn) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(x, fn) for x in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
-    return obj

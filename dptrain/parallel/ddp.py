@@ -39,6 +39,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from dptrain import _shm, comm
+from dptrain._tensors import move_to_device
+from dptrain.parallel import dp as _dp
 from dptrain.parallel import _ddp_setup as setup
 from dptrain.parallel._ddp_delayed import DelayedAllReduce
 from dptrain.parallel._ddp_mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
@@ -577,6 +579,27 @@ class DistributedDataParallel(nn.Module, Joinable):
     def train(self, mode: bool = True) -> "DistributedDataParallel":
         super().train(mode)
         return self
+
+    # -- PyTorch's legacy input/output helpers, kept by PyTorch for compatibility; so here too --
+    def to_kwargs(self, inputs: tuple, kwargs: dict, device_id: int) -> tuple[tuple, tuple]:
+        """``((inputs on the device,), (kwargs on the device,))``, as PyTorch's DDP returns them."""
+        device = torch.device(self.device_type, device_id)
+        return (tuple(move_to_device(tuple(inputs), device)),), (move_to_device(dict(kwargs or {}), device),)
+
+    def scatter(self, inputs: tuple, kwargs: dict, device_ids: Sequence[Any]) -> tuple[tuple, tuple]:
+        """Split ``inputs`` and ``kwargs`` along ``dim`` over ``device_ids`` (one chunk per device)."""
+        devices = [torch.device(self.device_type, d) if isinstance(d, int) else torch.device(d) for d in device_ids]
+        ins = _dp.scatter(tuple(inputs), devices, self.dim) if inputs else []
+        kws = _dp.scatter(dict(kwargs), devices, self.dim) if kwargs else []
+        n = max(len(ins), len(kws))
+        ins = list(ins) + [()] * (n - len(ins))
+        kws = list(kws) + [{}] * (n - len(kws))
+        return tuple(tuple(i) for i in ins), tuple(kws)
+
+    def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
+        """Concatenate per-device ``outputs`` along ``dim`` on ``output_device``."""
+        device = torch.device(self.device_type, output_device) if isinstance(output_device, int) else torch.device(output_device)
+        return _dp.gather(outputs, device, self.dim)
 
 
 class _DDPJoinHook(JoinHook):

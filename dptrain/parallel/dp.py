@@ -1,6 +1,6 @@
 """DataParallel: one process, one replica per device, replicas run in threads.
 
-Every forward does the four steps of seed 004: **replicate** the module onto each device,
+Every forward does the four steps of single-process data parallelism: **replicate** the module onto each device,
 **scatter** the inputs along ``dim``, run the replicas in threads (**parallel_apply**), and
 **gather** the outputs on ``output_device``. The copies of the parameters are made with
 differentiable ``.to()`` calls, so backward through the gathered output sums every
