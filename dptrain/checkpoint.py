@@ -311,7 +311,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def _is_fsdp(model: Any) -> bool:
-    return hasattr(model, "full_state_dict") and hasattr(model, "load_full_state_dict")
+    # The FSDP wrapper marks its class; asked this one way everywhere (see parallel/fsdp/_plan.py).
+    return getattr(type(model), "_dptrain_fsdp", False) is True
 
 
 def load_model_state(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True, source: str = "the state dict"):

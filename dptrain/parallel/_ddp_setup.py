@@ -17,7 +17,7 @@ from torch import nn
 from torch._utils import _get_device_index
 
 from dptrain._tensors import map_tensors
-from dptrain import comm
+from dptrain.parallel import _verify
 
 __all__ = ["DDPSetupError", "output_device_index", "map_tensors"]
 
@@ -188,61 +188,11 @@ def output_device_index(device_ids: list[int] | None, output_device: Any) -> int
     return _get_device_index(device_ids[0] if output_device is None else output_device, True)
 
 
-def _describe(module: nn.Module, ignore: set[str]) -> list[tuple]:
-    """What must be identical on every rank: parameters and buffers, by name, shape and dtype."""
-    desc = [
-        ("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
-        for n, p in module.named_parameters()
-        if n not in ignore
-    ]
-    desc += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers() if n not in ignore]
-    return desc
-
-
-def _first_mismatch(descs: list[list[tuple]]) -> str | None:
-    """A message naming the first difference between rank 0 and the lowest differing rank."""
-    ref = descs[0]
-    for r, desc in enumerate(descs[1:], start=1):
-        if desc == ref:
-            continue
-        for a, b in zip(desc, ref):
-            if a == b:
-                continue
-            if a[0] == "setting" and b[0] == "setting":
-                return f"rank {r} passed {a[1]}={a[2]!r} but rank 0 passed {b[1]}={b[2]!r}"
-            if (a[0], a[1]) != (b[0], b[1]):
-                return (
-                    f"rank {r} holds {a[0]} '{a[1]}' where rank 0 holds {b[0]} '{b[1]}' (same position "
-                    "in named_parameters()/named_buffers())"
-                )
-            what = []
-            if a[2] != b[2]:
-                what.append(f"shape {a[2]} but rank 0 holds {b[2]}")
-            if a[3] != b[3]:
-                what.append(f"dtype {a[3]} but rank 0 holds {b[3]}")
-            if a[4] != b[4]:
-                what.append(f"requires_grad={a[4]} but rank 0 has requires_grad={b[4]}")
-            return f"rank {r} holds {a[0]} '{a[1]}' of " + "; ".join(what)
-        longer, shorter, who = (desc, ref, r) if len(desc) > len(ref) else (ref, desc, 0)
-        extra = longer[len(shorter)]
-        other = 0 if who == r else r
-        return (
-            f"rank {r} has {len(desc)} parameters+buffers but rank 0 has {len(ref)}; "
-            f"the first extra one is {extra[0]} '{extra[1]}' on rank {who}, missing on rank {other}"
-        )
-    return None
-
-
 def verify_same_model(module: nn.Module, ignore: set[str], settings: dict, group: Any) -> None:
     """Every rank raises DDPSetupError naming the first difference if the ranks built different models.
 
     ``settings`` are constructor arguments that shape the collectives: they must agree too,
-    or buckets would not line up.
+    or buckets would not line up (see :mod:`dptrain.parallel._verify`).
     """
-    mine = [("setting", k, v) for k, v in settings.items()] + _describe(module, ignore)
-    problem = _first_mismatch(comm.all_gather_object(mine, group=group))
-    if problem is not None:
-        raise DDPSetupError(
-            f"DistributedDataParallel on rank {dist.get_rank(group)}: the ranks built different models: {problem}. "
-            "Build the same model on every rank (same code, same arguments) before wrapping it."
-        )
+    _verify.verify_same_model(module, group, dist.get_rank(group), "DistributedDataParallel",
+                              list(settings.items()), ignore, error=DDPSetupError)

@@ -9,7 +9,7 @@ mismatched collectives or silently averaging unrelated tensors.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from torch import nn
 
@@ -19,10 +19,11 @@ from dptrain._errors import ModelMismatchError
 __all__ = ["verify_same_model", "describe_module", "first_mismatch"]
 
 
-def describe_module(module: nn.Module) -> list[tuple]:
-    """What must be identical on every rank: parameters and buffers, by name, shape and dtype."""
-    desc = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-    desc += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
+def describe_module(module: nn.Module, ignore: Collection[str] = ()) -> list[tuple]:
+    """What must be identical on every rank: parameters and buffers (but ``ignore``d names), by name, shape and dtype."""
+    desc = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+            for n, p in module.named_parameters() if n not in ignore]
+    desc += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers() if n not in ignore]
     return desc
 
 
@@ -61,7 +62,8 @@ def first_mismatch(descs: list[list[tuple]]) -> str | None:
 
 
 def verify_same_model(
-    module: nn.Module, group: Any, rank: int, wrapper: str, settings: Sequence[tuple[str, Any]] = ()
+    module: nn.Module, group: Any, rank: int, wrapper: str, settings: Sequence[tuple[str, Any]] = (),
+    ignore: Collection[str] = (), error: type[Exception] = ModelMismatchError,
 ) -> None:
     """Raise :class:`ModelMismatchError` on every rank if the ranks built different models.
 
@@ -71,11 +73,13 @@ def verify_same_model(
         rank: this rank (in ``group``), for the message.
         wrapper: the wrapper's name, for the message (``"DistributedDataParallel"``).
         settings: ``(name, value)`` pairs that must agree too (bucket sizes, flags...).
+        ignore: parameter and buffer names left out (DDP's ignored parameters).
+        error: the exception type to raise (a wrapper's own set-up error).
     """
-    mine = [("setting", k, v) for k, v in settings] + describe_module(module)
+    mine = [("setting", k, v) for k, v in settings] + describe_module(module, ignore)
     problem = first_mismatch(comm.all_gather_object(mine, group=group))
     if problem is not None:
-        raise ModelMismatchError(
+        raise error(
             f"rank {rank}: the ranks built different models for {wrapper}: {problem}; build the same model on every "
             f"rank (same code, same arguments) before wrapping it (raised on rank {rank} and on every other rank)"
         )

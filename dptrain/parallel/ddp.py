@@ -576,10 +576,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_process_group(self) -> Any:
         return self.process_group
 
-    def train(self, mode: bool = True) -> "DistributedDataParallel":
-        super().train(mode)
-        return self
-
     # -- PyTorch's legacy input/output helpers, kept by PyTorch for compatibility; so here too --
     def to_kwargs(self, inputs: tuple, kwargs: dict, device_id: int) -> tuple[tuple, tuple]:
         """``((inputs on the device,), (kwargs on the device,))``, as PyTorch's DDP returns them."""

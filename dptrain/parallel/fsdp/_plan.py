@@ -9,7 +9,8 @@ __all__ = ["is_fsdp", "module_names", "record_key_order", "pick_units", "owned_p
 
 
 def is_fsdp(module: nn.Module) -> bool:
-    """True for a dptrain FSDP wrapper (marked by its class, so this module needs no import of it)."""
+    """True for a dptrain FSDP wrapper (marked by its class, so this module needs no import of it;
+    ``dptrain.checkpoint`` asks the same way)."""
     return getattr(type(module), "_dptrain_fsdp", False) is True
 
 
