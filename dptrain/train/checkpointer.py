@@ -263,7 +263,7 @@ class Checkpointer:
         Raises:
             CheckpointError: none of the candidates could be read (each one is listed).
         """
-        skipped = []
+        skipped: list[tuple[str, str]] = []  # (path, why)
         for path in candidates:
             state, error = None, None
             try:
@@ -275,16 +275,16 @@ class Checkpointer:
                 if skipped:
                     notice(f"resuming from {path!r} instead")
                 return path, state
-            error = error[1]
-            skipped.append(f"{path!r}: {error}")
+            skipped.append((path, error[1]))
             if len(candidates) > 1:
-                notice(f"skipping checkpoint {path!r}, which cannot be read ({error}); the file is left in place")
+                notice(f"skipping checkpoint {path!r}, which cannot be read ({error[1]}); the file is left in place")
         if not candidates:
             return None, None
         if len(candidates) == 1:
-            raise ckpt.CheckpointError(skipped[0].split(": ", 1)[1])
+            raise ckpt.CheckpointError(skipped[0][1])
         raise ckpt.CheckpointError(
-            f"none of the {len(candidates)} checkpoints in {self.directory!r} can be read: " + "; ".join(skipped)
+            f"none of the {len(candidates)} checkpoints in {self.directory!r} can be read: "
+            + "; ".join(f"{path!r}: {why}" for path, why in skipped)
         )
 
 
