@@ -29,15 +29,7 @@ def param_slots(fsdp):
 
 
 def full_state_dict(fsdp, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """The unsharded model state with the plain model's keys, as CPU tensors.
-
-    Collective (every rank must call it). The result loads with ``load_state_dict`` into
-    the unwrapped model. Parameters are identical on every rank; buffers (e.g. BatchNorm
-    statistics, which FSDP does not synchronise) are the calling rank's own.
-
-    Args:
-        rank0_only: only rank 0 builds the dict; the others get ``{}``. Default True.
-    """
+    """See :meth:`FullyShardedDataParallel.full_state_dict` (this is its body)."""
     names, _ = param_slots(fsdp)
     keep = not rank0_only or fsdp._rank == 0
     values: dict[tuple[int, str], torch.Tensor] = {}
@@ -61,11 +53,7 @@ def full_state_dict(fsdp, rank0_only: bool = True) -> dict[str, torch.Tensor]:
 
 
 def load_full_state_dict(fsdp, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load a full (plain-key) state dict; pass the same dict on every rank.
-
-    Raises:
-        ValueError: missing or unexpected keys, or a shape that differs from the model's.
-    """
+    """See :meth:`FullyShardedDataParallel.load_full_state_dict`."""
     names, slots = param_slots(fsdp)
     expected = [_join(names[id(m)], a) for _, m, a in fsdp._key_order]
     missing = [k for k in expected if k not in state_dict]
@@ -108,12 +96,7 @@ def metadata(fsdp) -> dict:
 
 
 def sharded_state_dict(fsdp) -> dict:
-    """This rank's shards plus metadata; no communication.
-
-    Returns ``{"metadata": {...}, "flat_params": {unit name: shard}, "buffers": {key: tensor}}``
-    with CPU tensors. Save one per rank; load it with :meth:`load_sharded_state_dict` on
-    the same rank of an identically wrapped model with the same world size.
-    """
+    """See :meth:`FullyShardedDataParallel.sharded_state_dict`."""
     meta = metadata(fsdp)
     names = module_names(fsdp.module)
     flat = {um["name"]: u.flat_param.detach().cpu().clone() for um, u in zip(meta["units"], fsdp._units)}
@@ -124,12 +107,7 @@ def sharded_state_dict(fsdp) -> dict:
 
 
 def load_sharded_state_dict(fsdp, state_dict: dict) -> None:
-    """Load what :meth:`sharded_state_dict` returned on this rank.
-
-    Raises:
-        ValueError: the dict was saved with another world size, by another rank, with a
-            different strategy or wrapping, or for a different model.
-    """
+    """See :meth:`FullyShardedDataParallel.load_sharded_state_dict`."""
     if not isinstance(state_dict, dict) or "metadata" not in state_dict:
         raise ValueError(f"rank {fsdp._rank}: not a sharded FSDP state dict (no 'metadata'); did you mean load_full_state_dict?")
     saved, mine = state_dict["metadata"], metadata(fsdp)
