@@ -26,6 +26,7 @@ The step sees the change (the gradients' version counters moved) and raises.
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any, Callable, Sequence
 
@@ -131,7 +132,12 @@ class OptimizerOverlap:
                 indices.append(gi)
         if not groups:
             return None
-        return type(self.optimizer)(groups, **self.optimizer.defaults), indices
+        # The constructor's own arguments only (AdamW keeps a default its constructor does not
+        # take); the groups carry every setting of the user's groups anyway.
+        cls = type(self.optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in self.optimizer.defaults.items() if k in accepted}
+        return cls(groups, **kwargs), indices
 
     # ---- the user's optimizer.step()
     def user_step(self, closure: Callable | None) -> Any:
