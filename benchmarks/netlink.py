@@ -143,7 +143,9 @@ class TwoNodeLink:
         delay: one-way netem delay (``"5ms"``); None for none. Default None.
         burst_bytes: token bucket depth; default: 1 ms at ``rate``, at least 64 KiB plus one
             frame (a veth hands over segmentation-offloaded packets of up to 64 KiB).
-        queue_ms: how long a packet may wait in the shaper before it is dropped. Default 20.
+        queue_ms: the shaper's queue, in milliseconds at ``rate`` (at least 512 KiB, so a
+            slow link does not drop the 64 KiB segments TCP hands a veth and stall on
+            retransmission timeouts). Default 20.
 
     Raises:
         LinkError: not root / no iproute2 (see :func:`unavailable`), a malformed rate or
@@ -164,6 +166,7 @@ class TwoNodeLink:
         self.delay = delay
         self.burst_bytes = burst_bytes or max(int(self.rate_bits / 8 / 1000), 64 * 1024 + 1600)
         self.queue_ms = queue_ms
+        self.queue_bytes = max(int(self.rate_bits / 8 * queue_ms / 1000), 512 * 1024)
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.namespaces = (f"{PREFIX}-{tag}-0", f"{PREFIX}-{tag}-1")
         short = uuid.uuid4().hex[:8]
@@ -204,7 +207,7 @@ class TwoNodeLink:
             self._shape(ns, veth)
 
     def _shape(self, ns: str, veth: str) -> None:
-        tbf = ["tbf", "rate", self.rate, "burst", str(self.burst_bytes), "latency", f"{self.queue_ms}ms"]
+        tbf = ["tbf", "rate", self.rate, "burst", str(self.burst_bytes), "limit", str(self.queue_bytes)]
         if self.delay is None:
             cmds = [["root"] + tbf]
         else:  # netem delays, tbf (its child) shapes what leaves the delay line
@@ -239,7 +242,7 @@ class TwoNodeLink:
         """One line: the namespaces, addresses and shaping, for logs and RESULTS.md."""
         delay = f"netem delay {self.delay} each way" if self.delay else "no added delay"
         return (f"2 namespaces ({self.namespaces[0]}, {self.namespaces[1]}), veth {self.addrs[0]} <-> "
-                f"{self.addrs[1]}, tbf {self.rate} burst {self.burst_bytes} B queue {self.queue_ms:g} ms "
+                f"{self.addrs[1]}, tbf {self.rate} burst {self.burst_bytes} B queue {self.queue_bytes} B "
                 f"each direction, {delay}")
 
     def exec_argv(self, node: int, argv: Sequence[str]) -> list[str]:
