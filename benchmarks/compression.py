@@ -155,7 +155,7 @@ def _print(results: dict, reference: str, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30, help="timed steps per variant")
-    ap.add_argument("--warmup", type=int, default=7, help="untimed steps first (auto decides after 5)")
+    ap.add_argument("--warmup", type=int, default=15, help="untimed steps first (auto decides within 14)")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--batch", type=int, default=64, help="per rank")

@@ -42,7 +42,7 @@ def test_link_is_shaped_used_and_removed(usable):
     with netlink.TwoNodeLink("20mbit") as link:
         names = link.namespaces
         assert all(n in _namespaces() for n in names)
-        results = link.run([SCRIPT, "auto:1", "powersgd:3"], timeout_s=150, env=dict(os.environ, DPTRAIN_DEBUG="1"))
+        results = link.run([SCRIPT, "auto:1:14", "powersgd:3"], timeout_s=150, env=dict(os.environ, DPTRAIN_DEBUG="1"))
         stats = link.qdisc_stats(0)
     assert not any(n in _namespaces() for n in names)
     assert "tbf" in stats and "rate 20Mbit" in stats

@@ -1,28 +1,28 @@
 """``DistributedDataParallel(compression=...)``: a fixed gradient compression, or ``"auto"``.
 
 [Note: when compression pays]
-Compression trades CPU work -- casts, matrix products, error feedback: a few passes over the
-gradients -- for bytes on the wire. It pays only where bytes are expensive: across nodes on
-a network much slower than memory. Among the ranks of one node (shared memory, loopback,
-NVLink) moving a byte costs about what casting it costs, and compression loses (bf16 over
-loopback measured 1.16-1.21x slower than fp32 on the MLP of ``benchmarks/ddp_step.py``).
-
-``"auto"`` therefore decides from measurements of the job itself:
+Compression trades CPU work -- casts, matrix products, error feedback, more collectives --
+for bytes on the wire. It pays only where bytes are expensive: across nodes on a network
+much slower than memory. Among the ranks of one node (shared memory, loopback, NVLink)
+moving a byte costs about what casting it costs, and compression loses (bf16 over loopback
+measured 1.16-1.21x slower than fp32 on the MLP of ``benchmarks/ddp_step.py``). Across nodes
+what it saves depends on the model as much as on the link: PowerSGD sends almost nothing
+for large matrices but costs a few small operations per matrix and two round trips per
+bucket, so for a model of many small convolutions bf16 can win even where PowerSGD sends
+a hundredth of the bytes. ``"auto"`` therefore measures, on the job itself:
 
 1. The first synced backwards run uncompressed (in shared memory on one node). The first
    two are not timed (first-touch allocations, the bucket rebuild); in the next three each
-   rank times backward's *window* (first bucket launched to last bucket launched: the
-   time communication can hide behind computation) and the *exposed* communication (last
-   bucket launched to all buckets reduced).
-2. After them every rank contributes its timings (the maximum over ranks is used, the step
-   being as slow as its slowest rank), where it runs, and the group's latency (a few tiny
-   all-reduces) and this rank's cost of copying the gradients once.
-3. One node: fp32, always. Several nodes: with ``S = window + exposed`` the time fp32
-   communication took, ``c`` the copy cost and ``L`` the latency, the exposed time of
-   bf16 is predicted as ``max(0, S/2 - window) + 2c`` and that of PowerSGD (which sends a
-   fraction ``f`` of the bytes) as ``max(0, f*S - window) + 2L + 4.5c``. The fastest
-   prediction is taken if it saves at least 10 % of (window + exposed) and 2 ms; otherwise
-   fp32 stays.
+   rank times backward's *window* (first bucket launched to last bucket launched: the time
+   communication can hide behind computation), the *exposed* communication (last bucket
+   launched to all buckets reduced) and the whole backward.
+2. After them (a collective: every rank is at the same backward) the ranks agree on where
+   they run and on the timings (the maximum over ranks: a step is as slow as its slowest
+   rank). All on one node: fp32, for good. Exposed communication under 10 % of the
+   backward (or 2 ms): fp32, for good -- there is nothing to win.
+3. Otherwise it tries bf16 (with 4 MiB buckets when the user chose no bucket size) and then
+   PowerSGD of rank 2 for a few backwards each, timing the whole backward, and keeps the
+   fastest; compression must beat fp32 by 5 % to be kept.
 4. Rank 0 prints one line saying what was chosen and why; ``ddp.compression_choice`` says it
    too. Every rank takes the same decision from the same (reduced) numbers.
 """
@@ -50,12 +50,12 @@ POWERSGD_START_ITER = 10  # compression="powersgd": plain all-reduces first, as 
 # 16-bit all-reduces move the bytes fp32 would, halved: the link stays the bottleneck, and
 # smaller buckets start it earlier in backward (measured over 1 Gbit/s: 0.61x of PyTorch's
 # fp32 step with 4 MiB buckets, 0.73x with the default 25 MiB). PowerSGD keeps the default:
-# its messages are tiny, and every bucket costs a few more round trips.
+# its messages are tiny, and every bucket costs two more round trips.
 SMALL_BUCKET_LIMITS = [1024 * 1024, 4 * 1024 * 1024]
-_SKIP_STEPS, _TIMED_STEPS = 2, 3
-_MIN_SAVING_SHARE, _MIN_SAVING_S = 0.10, 0.002
-# Passes over the gradients, in units of one copy (read + write of every byte).
-_BF16_COPIES, _POWERSGD_COPIES = 2.0, 4.5
+# (option, backwards not timed, backwards timed): fp32 first, then the trials.
+_PHASES = (("fp32", 2, 3), ("bf16", 1, 3), ("powersgd", 1, 3))
+_MIN_EXPOSED_SHARE, _MIN_EXPOSED_S = 0.10, 0.002
+_MIN_GAIN = 0.05
 
 
 def check_compression(value: Any) -> str | None:
@@ -86,17 +86,21 @@ def check_extensions(mixed_precision: Any, compression: str | None, overlap_opti
         )
 
 
-def _powersgd_state(group: Any, start_iter: int) -> PowerSGDState:
-    return PowerSGDState(group, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=start_iter)
-
-
 def _use(reducer: Any, choice: str, resize: bool, start_iter: int = POWERSGD_START_ITER) -> None:
+    """Switch ``reducer`` to ``choice`` ("fp32" included) from its next backward on."""
     group = reducer.process_group
-    if resize and choice in ("bf16", "fp16"):
-        reducer.set_bucket_limits(SMALL_BUCKET_LIMITS)
-    if choice == "powersgd":
-        reducer.comm_hook_state, reducer.comm_hook = _powersgd_state(group, start_iter), comm_hooks.powerSGD_hook
-    elif choice in ("bf16", "fp16"):
+    if resize:
+        limits = SMALL_BUCKET_LIMITS if choice in ("bf16", "fp16") else reducer.initial_bucket_limits
+        if limits != reducer.bucket_limits:
+            reducer.set_bucket_limits(limits)
+    if choice == "fp32":
+        reducer.comm_hook_state, reducer.comm_hook = None, None
+    elif choice == "powersgd":
+        if not isinstance(reducer.comm_hook_state, PowerSGDState):
+            state = PowerSGDState(group, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=start_iter)
+            reducer.comm_hook_state = state
+        reducer.comm_hook = comm_hooks.powerSGD_hook
+    else:
         reducer.comm_hook_state = group
         reducer.comm_hook = comm_hooks.bf16_compress_hook if choice == "bf16" else comm_hooks.fp16_compress_hook
 
@@ -116,18 +120,6 @@ def install(reducer: Any, compression: str | None, uses_shm: bool, resize: bool)
     return auto
 
 
-def compressed_fraction(params: list[torch.Tensor], rank: int = POWERSGD_RANK) -> float:
-    """Share of the gradient elements PowerSGD of ``rank`` sends (PyTorch's rule of what to compress)."""
-    before = after = 0
-    for p in params:
-        n = p.shape[0] if p.dim() > 0 else 1
-        m = p.numel() // n if n else 0
-        r = min(n, m, rank)
-        before += p.numel()
-        after += (n + m) * r if p.dim() > 1 and (n + m) * r * 2 < n * m else p.numel()
-    return after / before if before else 1.0
-
-
 class AutoCompression:
     """The observer behind ``compression="auto"``; see [Note: when compression pays]."""
 
@@ -137,9 +129,13 @@ class AutoCompression:
         self.resize = resize
         self.choice: str | None = None  # set once decided
         self.message = ""
-        self._seen = 0
+        self._phase = 0
+        self._seen = 0  # backwards seen in the current phase
         self._t_start = self._t_first = self._t_last = 0.0
-        self._samples: list[tuple[float, float]] = []  # (window, exposed) per timed backward
+        self._samples: list[tuple[float, float, float]] = []  # (window, exposed, backward) per timed backward
+        self._fp32: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self._timings: dict[str, float] = {}  # option -> median backward (max over ranks)
+        self._nodes = 1
 
     # ---- the reducer's observer protocol (see the reducer's [Note: observers of a backward])
     def backward_started(self) -> None:
@@ -153,85 +149,61 @@ class AutoCompression:
         self._t_last = now
 
     def backward_finished(self, joined: bool) -> None:
+        option, skip, timed = _PHASES[self._phase]
         self._seen += 1
-        if self._seen > _SKIP_STEPS and not joined and self._t_first:
+        if self._seen > skip and not joined and self._t_first:
             done = time.perf_counter()
-            self._samples.append((self._t_last - self._t_first, done - self._t_last))
-        if self._seen == _SKIP_STEPS + _TIMED_STEPS:
-            self._decide()
+            self._samples.append((self._t_last - self._t_first, done - self._t_last, done - self._t_start))
+        if self._seen == skip + timed:
+            self._end_phase(option)
 
-    # ---- the decision (collective: every rank is here after the same backward)
-    def _decide(self) -> None:
-        reducer = self.reducer
-        group = reducer.process_group
-        device = reducer.buckets[0].flat.device
-        window = statistics.median(s[0] for s in self._samples) if self._samples else 0.0
-        exposed = statistics.median(s[1] for s in self._samples) if self._samples else 0.0
-        nodes = len({tuple(n) for n in comm.all_gather_object(_node_identity(), group=group)})
-        latency = self._latency(group, device)
-        copy_s = self._copy_seconds()
-        numbers = torch.tensor([window, exposed, latency, copy_s], dtype=torch.float64, device=device)
+    # ---- phases and the decision (collectives: every rank is here after the same backward)
+    def _end_phase(self, option: str) -> None:
+        reducer, group = self.reducer, self.reducer.process_group
+        medians = [statistics.median(s[k] for s in self._samples) if self._samples else 0.0 for k in range(3)]
+        numbers = torch.tensor(medians, dtype=torch.float64, device=reducer.buckets[0].flat.device)
         with comm.guarded("DDP compression='auto' (agreeing on the measurements)", group):
             dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
-        window, exposed, latency, copy_s = numbers.tolist()
+        window, exposed, backward = numbers.tolist()
+        self._timings[option] = backward
+        self._samples, self._seen = [], 0
+        if option == "fp32":
+            self._fp32 = (window, exposed, backward)
+            self._nodes = len({tuple(n) for n in comm.all_gather_object(_node_identity(), group=group)})
         nbytes = sum(b.numel * b.flat.element_size() for b in reducer.buckets)
-        self.choice, why = decide(nodes, self.uses_shm, window, exposed, latency, copy_s, nbytes,
-                                  compressed_fraction(reducer.params))
+        choice, why = decide(self._nodes, self.uses_shm, *self._fp32, nbytes, self._timings)
+        if choice is None:  # try the next option
+            self._phase += 1
+            _use(reducer, _PHASES[self._phase][0], self.resize, start_iter=0)
+            return
+        self.choice = choice
         self.message = f'dptrain: DDP compression="auto" chose {why}'
-        if self.choice != "fp32":
-            _use(reducer, self.choice, self.resize, start_iter=0)
+        _use(reducer, choice, self.resize, start_iter=0)
         reducer.observer = None
         if dist.get_rank(group) == 0:
             print(self.message, flush=True)
 
-    @staticmethod
-    def _latency(group: Any, device: torch.device) -> float:
-        probe = torch.zeros(1, device=device)
-        times = []
-        with comm.guarded("DDP compression='auto' (latency probe)", group):
-            for _ in range(3):
-                t0 = time.perf_counter()
-                dist.all_reduce(probe, group=group)
-                if probe.is_cuda:
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - t0)
-        return min(times)
 
-    def _copy_seconds(self) -> float:
-        # One copy of every gradient byte, extrapolated from the largest bucket (warm pages).
-        largest = max(self.reducer.buckets, key=lambda b: b.numel).buffer
-        scratch = torch.empty_like(largest)
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            scratch.copy_(largest)
-            if scratch.is_cuda:
-                torch.cuda.synchronize(scratch.device)
-            times.append(time.perf_counter() - t0)
-        total = sum(b.numel for b in self.reducer.buckets)
-        return min(times[1:]) * total / max(1, largest.numel())
+def decide(nodes: int, uses_shm: bool, window: float, exposed: float, backward: float, nbytes: int,
+           trials: dict[str, float]) -> tuple[str | None, str]:
+    """(choice, explanation) from the agreed measurements, or (None, "") to try the next option.
 
-
-def decide(nodes: int, uses_shm: bool, window: float, exposed: float, latency: float, copy_s: float,
-           nbytes: int, fraction: float) -> tuple[str, str]:
-    """(choice, explanation) from the reduced measurements; pure, so tests can check the rule."""
+    ``window``/``exposed``/``backward``: fp32's median times (s); ``trials``: the median
+    backward of every option measured so far, fp32 included. Pure, so tests check the rule.
+    """
     mb = nbytes / 1e6
-    span = window + exposed
+    fp32 = (f"{mb:.1f} MB of gradients, {exposed * 1e3:.0f} ms of communication after {window * 1e3:.0f} ms "
+            f"of backward")
     if nodes == 1:
         where = "in shared memory" if uses_shm else "(loopback)"
-        return "fp32", (f"fp32 {where}: all ranks on one node, where compression costs as much as the bytes "
-                        f"it saves ({mb:.1f} MB of gradients, {exposed * 1e3:.0f} ms of communication after backward)")
-    rate = nbytes / span / 1e6 if span > 0 else float("inf")
-    predicted = {
-        "bf16": max(0.0, span / 2 - window) + _BF16_COPIES * copy_s,
-        "powersgd": max(0.0, fraction * span - window) + 2 * latency + _POWERSGD_COPIES * copy_s,
-    }
-    best = min(predicted, key=predicted.get)
-    saving = exposed - predicted[best]
-    measured = (f"{nodes} nodes, {mb:.1f} MB of gradients in {span * 1e3:.0f} ms (~{rate:.0f} MB/s), "
-                f"{exposed * 1e3:.0f} ms of it after {window * 1e3:.0f} ms of backward")
-    options = ", ".join(f"{k} ~{v * 1e3:.0f} ms" for k, v in sorted(predicted.items()))
-    if saving < max(_MIN_SAVING_SHARE * span, _MIN_SAVING_S):
-        return "fp32", f"fp32 ({measured}; compression would not save enough: {options})"
+        return "fp32", f"fp32 {where}: all ranks on one node, where compression costs as much as it saves ({fp32})"
+    if exposed < max(_MIN_EXPOSED_SHARE * backward, _MIN_EXPOSED_S):
+        return "fp32", f"fp32 ({nodes} nodes; {fp32}: communication is already hidden behind backward)"
+    if len(trials) < len(_PHASES):
+        return None, ""
+    best = min((o for o in trials if o != "fp32"), key=trials.get)
+    measured = ", ".join(f"{o} {t * 1e3:.0f} ms" for o, t in trials.items())
+    if trials[best] > (1 - _MIN_GAIN) * trials["fp32"]:
+        return "fp32", f"fp32 ({nodes} nodes; {fp32}; backward with communication: {measured})"
     label = f"PowerSGD rank {POWERSGD_RANK}" if best == "powersgd" else best
-    return best, f"{label} ({measured}; predicted after backward: {options})"
+    return best, f"{label} ({nodes} nodes; {fp32}; backward with communication: {measured})"

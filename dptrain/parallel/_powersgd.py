@@ -3,9 +3,9 @@
 PyTorch's hook, same state, arguments and algorithm; three things differ.
 
 [Note: PowerSGD order of collectives]
-Each bucket's work is a job of :mod:`dptrain.parallel._hook_pipeline`: it issues the
-all-reduces of the uncompressed tensors and of ``P``, yields; computes ``Q``, issues its
-all-reduce, yields; then decompresses. Jobs are advanced by the hook calls in a fixed order,
+Each bucket's work is a job of :mod:`dptrain.parallel._hook_pipeline`: it issues one
+all-reduce of ``P`` and the uncompressed tensors together (PyTorch issues two), yields;
+computes ``Q``, issues its all-reduce, yields; then decompresses. Jobs are advanced by the hook calls in a fixed order,
 so every rank issues the same collectives in the same order (PyTorch issues ``Q`` from a
 callback and can abort on gloo), and a bucket's all-reduces overlap the backward of the
 next buckets instead of blocking it.
@@ -42,7 +42,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dptrain import comm
 from dptrain.parallel._hook_pipeline import HookPipeline, Job, allreduce_mean_future, issue_all_reduce
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
@@ -118,7 +117,7 @@ class PowerSGDState:
         self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
         self.rng = np.random.RandomState(random_seed)  # seeds of the random Q, in the same order on every rank
         self.error_dict: dict[int, torch.Tensor] = {}  # bucket index -> corrected gradient / local error
-        self.p_memory_dict: dict[int, torch.Tensor] = {}  # bucket index -> every P of the bucket, flat
+        self.p_memory_dict: dict[int, torch.Tensor] = {}  # bucket index -> every P of the bucket, flat (a view)
         self.q_memory_dict: dict[int, torch.Tensor] = {}  # bucket index -> every Q (transposed), flat
         self.iter = 0  # synced backward passes seen (counted on the last bucket)
         self.total_numel_before_compression = 0
@@ -193,6 +192,8 @@ class _BucketPlan:
             self.matrices.extend((offsets[i], n, m) for i in members)
         self.p_numel = sum(b * n * r for n, _, r, b in self.groups)
         self.q_numel = sum(b * m * r for _, m, r, b in self.groups)
+        self.vector_sizes = [n for _, n in self.vectors]
+        self.first = buffer.new_empty(self.p_numel + self.vector_numel)  # P, then the uncompressed
 
     def views(self, p_mem: torch.Tensor, q_mem: torch.Tensor) -> tuple[list, list, list, list]:
         """Per group (B,n,r) P and (B,r,m) Q^T; per matrix (n,r) P and (r,m) Q^T."""
@@ -274,10 +275,8 @@ def _plan_for(state: PowerSGDState, bucket: Any, buffer: torch.Tensor) -> tuple[
         plan = _BucketPlan(state, bucket, buffer)
         state._plans[index] = plan
         state.error_dict.pop(index, None)
-        state.p_memory_dict[index] = buffer.new_empty(plan.p_numel)
         state.q_memory_dict[index] = buffer.new_empty(plan.q_numel)
-    elif index not in state.p_memory_dict:  # no warm start: cleared after every iteration
-        state.p_memory_dict[index] = buffer.new_empty(plan.p_numel)
+    elif index not in state.q_memory_dict:  # no warm start: cleared after every iteration
         state.q_memory_dict[index] = buffer.new_empty(plan.q_numel)
         fresh = True
     return plan, fresh
@@ -299,12 +298,14 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
     state.total_numel_after_compression += plan.numel_after
     _report_stats(state, bucket)
 
-    vec_work = vectors = None
+    # P and the uncompressed gradients travel in one all-reduce: one round trip fewer per bucket.
+    first = plan.first
+    p_mem, q_mem = first[: plan.p_numel], state.q_memory_dict[index]
+    state.p_memory_dict[index] = p_mem
+    vectors = first[plan.p_numel :]
     if plan.vectors:
-        vectors = torch.cat([source[o : o + n] for o, n in plan.vectors])
-        vec_work = issue_all_reduce(vectors, group)
+        torch.cat([source[o : o + n] for o, n in plan.vectors], out=vectors)
     if plan.matrices:
-        p_mem, q_mem = state.p_memory_dict[index], state.q_memory_dict[index]
         p_groups, q_groups, ps, qts = plan.views(p_mem, q_mem)
         mats = [source[o : o + n * m].view(n, m) for o, n, m in plan.matrices]
         if fresh:
@@ -314,9 +315,13 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
                 _orthonormalize_rows_(qg, state.orthogonalization_epsilon)
         for mat, p, qt in zip(mats, ps, qts):
             torch.mm(mat, qt.t(), out=p)
-        # P is orthonormalised next, so its sum needs no division by the world size.
-        yield issue_all_reduce(p_mem, group), "PowerSGD all-reduce of P"
+    # P is orthonormalised next, so its sum needs no division by the world size.
+    yield issue_all_reduce(first, group), "PowerSGD all-reduce of P and uncompressed gradients"
 
+    if plan.vectors:
+        vectors.div_(world_size)
+        torch._foreach_copy_([buffer[o : o + n] for o, n in plan.vectors], list(vectors.split(plan.vector_sizes)))
+    if plan.matrices:
         for pg in p_groups:
             _orthonormalize_rows_(pg.transpose(1, 2), state.orthogonalization_epsilon)
         for mat, p, qt in zip(mats, ps, qts):
@@ -326,14 +331,6 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
         q_mem.div_(world_size)
         for (o, n, m), p, qt in zip(plan.matrices, ps, qts):
             _decompress(p, qt, buffer[o : o + n * m].view(n, m))
-    if vectors is not None:
-        name = "PowerSGD all-reduce of uncompressed gradients"
-        if plan.matrices:
-            comm.wait(vec_work, f"{name} (bucket {index})", group)  # issued before P: done by now
-        else:
-            yield vec_work, name  # the bucket's only collective: later buckets go on meanwhile
-        vectors.div_(world_size)
-        torch._foreach_copy_([buffer[o : o + n] for o, n in plan.vectors], list(vectors.split([n for _, n in plan.vectors])))
     if state.use_error_feedback:
         error.sub_(buffer)
     if not state.warm_start:

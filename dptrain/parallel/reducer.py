@@ -134,6 +134,7 @@ class Reducer:
         self.batched_grad_copy = batched_grad_copy
         self.grad_dtype = grad_dtype
         self.bucket_limits = bucket_size_limits(bucket_cap_mb, bucket_cap_mb_list)
+        self.initial_bucket_limits = list(self.bucket_limits)
         self._new_limits: list[int] | None = None  # see set_bucket_limits
         self._sizes = [p.numel() * p.element_size() for p in self.params]
         self._keys = [(p.dtype, p.device) for p in self.params]

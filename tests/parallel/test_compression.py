@@ -243,10 +243,20 @@ def test_auto_keeps_fp32_on_one_node_bitwise_like_pytorch():
 
 
 def test_auto_rule():
-    one = dict(window=0.03, exposed=0.3, latency=0.0005, copy_s=0.002, nbytes=33_600_000, fraction=0.002)
-    assert _compression.decide(nodes=1, uses_shm=True, **one)[0] == "fp32"
-    choice, why = _compression.decide(nodes=2, uses_shm=False, **one)
-    assert choice == "powersgd" and "2 nodes, 33.6 MB of gradients in 330 ms (~102 MB/s)" in why
-    assert _compression.decide(nodes=2, uses_shm=False, **dict(one, fraction=1.0))[0] == "bf16"
-    hidden = dict(one, window=0.05, exposed=0.002)  # communication already hidden behind backward
-    assert _compression.decide(nodes=2, uses_shm=False, **hidden)[0] == "fp32"
+    fp32 = dict(window=0.03, exposed=0.3, backward=0.33, nbytes=33_600_000)
+    assert _compression.decide(nodes=1, uses_shm=True, **fp32, trials={"fp32": 0.33})[0] == "fp32"
+    # Several nodes, communication exposed: try bf16, then PowerSGD, then keep the fastest.
+    assert _compression.decide(nodes=2, uses_shm=False, **fp32, trials={"fp32": 0.33}) == (None, "")
+    assert _compression.decide(nodes=2, uses_shm=False, **fp32, trials={"fp32": 0.33, "bf16": 0.2})[0] is None
+    choice, why = _compression.decide(nodes=2, uses_shm=False, **fp32,
+                                      trials={"fp32": 0.33, "bf16": 0.2, "powersgd": 0.05})
+    assert choice == "powersgd"
+    assert why == ("PowerSGD rank 2 (2 nodes; 33.6 MB of gradients, 300 ms of communication after 30 ms of "
+                   "backward; backward with communication: fp32 330 ms, bf16 200 ms, powersgd 50 ms)")
+    assert _compression.decide(nodes=2, uses_shm=False, **fp32,
+                               trials={"fp32": 0.33, "bf16": 0.2, "powersgd": 0.25})[0] == "bf16"
+    # Compression that saves less than 5 % is not worth its rounding.
+    assert _compression.decide(nodes=2, uses_shm=False, **fp32,
+                               trials={"fp32": 0.33, "bf16": 0.32, "powersgd": 0.33})[0] == "fp32"
+    hidden = dict(fp32, exposed=0.002)  # communication already hidden behind backward
+    assert _compression.decide(nodes=2, uses_shm=False, **hidden, trials={"fp32": 0.33})[0] == "fp32"

@@ -1,7 +1,7 @@
 """Train a small MLP with compressed gradients; every rank prints a digest of its weights per run.
 
-    dptrain run ... tests/scripts/train_compressed.py auto:1              # compression="auto", one run
-    dptrain run ... tests/scripts/train_compressed.py auto:1 powersgd:3   # then PowerSGD (a bucket per layer), 3 runs
+    dptrain run ... tests/scripts/train_compressed.py auto:1:14              # compression="auto": one run, 14 steps
+    dptrain run ... tests/scripts/train_compressed.py auto:1:14 powersgd:3   # then PowerSGD (a bucket per layer), 3 runs
 
 Replicas that end with different digests, or a run that aborts, mean the ranks paired their
 collectives differently. Run under DPTRAIN_DEBUG=1 to have every collective cross-checked.
@@ -18,7 +18,7 @@ from dptrain.parallel import comm_hooks
 dptrain.init()
 run = 0
 for spec in sys.argv[1:]:
-    mode, runs = spec.split(":")
+    mode, runs, steps = (spec + ":8").split(":")[:3]
     for _ in range(int(runs)):
         torch.manual_seed(run)
         net = MLP([256] * 4)
@@ -30,7 +30,7 @@ for spec in sys.argv[1:]:
             model.register_comm_hook(state, comm_hooks.powerSGD_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         gen = torch.Generator().manual_seed(1000 * run + dptrain.rank())
-        for _ in range(8):
+        for _ in range(int(steps)):
             x = torch.randn(16, 256, generator=gen)
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
