@@ -42,20 +42,31 @@ from dptrain.parallel import comm_hooks
 from dptrain.parallel._overlap import check_optimizer
 from dptrain.parallel._powersgd import PowerSGDState
 
-__all__ = ["CHOICES", "check_compression", "check_extensions", "install", "AutoCompression", "decide"]
+__all__ = ["CHOICES", "check_compression", "check_extensions", "default_bucket_mb", "install", "AutoCompression",
+           "decide"]
 
 CHOICES = ("auto", "bf16", "fp16", "powersgd")
 POWERSGD_RANK = 2  # rank of compression="powersgd" and of "auto"'s PowerSGD
 POWERSGD_START_ITER = 10  # compression="powersgd": plain all-reduces first, as PyTorch advises
 # 16-bit all-reduces move the bytes fp32 would, halved: the link stays the bottleneck, and
 # smaller buckets start it earlier in backward (measured over 1 Gbit/s: 0.61x of PyTorch's
-# fp32 step with 4 MiB buckets, 0.73x with the default 25 MiB). PowerSGD keeps the default:
-# its messages are tiny, and every bucket costs two more round trips.
+# fp32 step with 4 MiB buckets, 0.73x with the default 25 MiB). The optimizer overlap wants
+# them too: only the last bucket's update is left after communication. PowerSGD keeps the
+# default: its messages are tiny, and every bucket costs two more round trips.
+SMALL_BUCKETS_MB = [1, 4]
 SMALL_BUCKET_LIMITS = [1024 * 1024, 4 * 1024 * 1024]
 # (option, backwards not timed, backwards timed): fp32 first, then the trials.
 _PHASES = (("fp32", 2, 3), ("bf16", 1, 3), ("powersgd", 1, 3))
 _MIN_EXPOSED_SHARE, _MIN_EXPOSED_S = 0.10, 0.002
 _MIN_GAIN = 0.05
+
+
+def default_bucket_mb(bucket_cap_mb: float | None, compression: str | None, overlap: bool) -> list[int] | None:
+    """Bucket sizes (MiB) for a DDP whose user gave none: smaller for 16-bit compression and for
+    the optimizer overlap, else None (PyTorch's default)."""
+    if bucket_cap_mb is None and (compression in ("bf16", "fp16") or overlap):
+        return list(SMALL_BUCKETS_MB)
+    return None
 
 
 def check_compression(value: Any) -> str | None:

@@ -2,8 +2,9 @@
 
 A joined rank keeps answering the collectives of the ranks still training -- the buffer
 broadcast, the "does this backward synchronise" flag, a backward's all-reduces with zero
-gradients -- and at the end every rank takes the model of the last rank to finish
-(PyTorch's semantics of ``DistributedDataParallel.join``).
+gradients (:func:`shadow_backward`, on the reducer's buckets) -- and at the end every rank
+takes the model of the last rank to finish (PyTorch's semantics of
+``DistributedDataParallel.join``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from torch.distributed.algorithms.join import JoinHook
 
 from dptrain import comm
 from dptrain.parallel import _ddp_setup as setup
+from dptrain.parallel._hook_pipeline import flush_hook_state
 
-__all__ = ["DDPJoinHook", "find_common_rank", "all_reduce_requires_sync"]
+__all__ = ["DDPJoinHook", "find_common_rank", "all_reduce_requires_sync", "shadow_backward"]
 
 
 def find_common_rank(ddp: Any, rank: int, candidate: bool) -> int:
@@ -53,10 +55,43 @@ class DDPJoinHook(JoinHook):
         should_sync = all_reduce_requires_sync(ddp, joined=True)
         ddp.require_forward_param_sync = bool(should_sync)
         if should_sync:
-            ddp.reducer.shadow_backward()
+            shadow_backward(ddp.reducer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
         src = find_common_rank(ddp, ddp._rank, is_last_joiner)
         tensors = setup.managed_tensors(ddp.module, ddp.parameters_to_ignore, ddp.forward_sync_buffers)
         setup.broadcast_coalesced(tensors, src, ddp.process_group)
+
+
+def shadow_backward(reducer: Any) -> None:
+    """For a rank that has joined: run the collectives of one synced backward with zeros."""
+    works, zeros = [], None
+    for bucket in reducer.buckets:
+        zeros = torch.zeros_like(bucket.flat if reducer.comm_hook is None else bucket.buffer)
+        if reducer.comm_hook is None:
+            works.append(reducer._all_reduce(zeros, bucket.index))
+        else:
+            works.append(reducer._run_hook(bucket, zeros))
+    flush_hook_state(reducer.comm_hook_state)
+    for bucket, w in zip(reducer.buckets, works):
+        comm.wait(w, f"DDP gradient all-reduce of a joined rank (bucket {bucket.index})", reducer.process_group)
+    if reducer._tracks_used:
+        # [Note: join and the used map] Like PyTorch, a joined rank contributes the map left
+        # from its last reduction (reduced in place, so it only grows), not zeros: parameters
+        # used before it joined count as used, and get zero gradients instead of None.
+        dist.all_reduce(reducer._used_map(reducer.params[0].device), group=reducer.process_group)
+    _shadow_rebuild_decision(reducer, zeros)
+    reducer.num_iterations += 1
+    if reducer.observer is not None:
+        reducer.observer.backward_finished(joined=True)
+
+
+def _shadow_rebuild_decision(reducer: Any, last_flat: torch.Tensor) -> None:
+    # The ranks still training decide on a rebuild after this backward; this rank reads the
+    # same vote and takes part in the broadcast (see the reducer's [Note: bucket rebuild]).
+    last = reducer.buckets[-1]
+    if reducer.comm_hook is None and last.flat.numel() > last.numel and last_flat[last.numel].item() > 0:
+        return  # a rank failed: nobody decides this time
+    first_static = reducer.static_graph and reducer.num_iterations == 0
+    reducer._rebuild.decide_joined(first_static, reducer._rebuild_votes(last_flat))

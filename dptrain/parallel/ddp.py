@@ -40,7 +40,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from dptrain import _shm
 from dptrain.parallel import _ddp_setup as setup
-from dptrain.parallel._compression import AutoCompression, check_compression, check_extensions
+from dptrain.parallel._compression import AutoCompression, check_compression, check_extensions, default_bucket_mb
 from dptrain.parallel._compression import install as install_compression
 from dptrain.parallel._ddp_delayed import DelayedAllReduce
 from dptrain.parallel._ddp_join import DDPJoinHook, all_reduce_requires_sync, find_common_rank
@@ -329,7 +329,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
-            bucket_cap_mb_list=self.bucket_cap_mb_list,
+            bucket_cap_mb_list=self.bucket_cap_mb_list or default_bucket_mb(
+                self.bucket_cap_mb, self.compression, self._overlap_optimizer is not None
+            ),
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
             batched_grad_copy=self.batched_grad_copy,
             grad_dtype=None if self._mixed_precision is None else self._mixed_precision.grad_dtype,

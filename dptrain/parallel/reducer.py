@@ -626,38 +626,6 @@ class Reducer:
             self._used_reduced = torch.zeros(len(self.params), dtype=torch.int32, device=device)
         return self._used_reduced
 
-    # ------------------------------------------------------------------ join
-    def shadow_backward(self) -> None:
-        """For a rank that has joined: run the collectives of one synced backward with zeros."""
-        works, zeros = [], None
-        for bucket in self.buckets:
-            zeros = torch.zeros_like(bucket.flat if self.comm_hook is None else bucket.buffer)
-            if self.comm_hook is None:
-                works.append(self._all_reduce(zeros, bucket.index))
-            else:
-                works.append(self._run_hook(bucket, zeros))
-        flush_hook_state(self.comm_hook_state)
-        for bucket, w in zip(self.buckets, works):
-            comm.wait(w, f"DDP gradient all-reduce of a joined rank (bucket {bucket.index})", self.process_group)
-        if self._tracks_used:
-            # [Note: join and the used map] Like PyTorch, a joined rank contributes the map left
-            # from its last reduction (reduced in place, so it only grows), not zeros: parameters
-            # used before it joined count as used, and get zero gradients instead of None.
-            dist.all_reduce(self._used_map(self.params[0].device), group=self.process_group)
-        self._shadow_rebuild_decision(zeros)
-        self.num_iterations += 1
-        if self.observer is not None:
-            self.observer.backward_finished(joined=True)
-
-    def _shadow_rebuild_decision(self, last_flat: torch.Tensor) -> None:
-        # The ranks still training decide on a rebuild after this backward; this rank reads
-        # the same vote and takes part in the broadcast (see [Note: bucket rebuild]).
-        last = self.buckets[-1]
-        if self.comm_hook is None and last.flat.numel() > last.numel and last_flat[last.numel].item() > 0:
-            return  # a rank failed: nobody decides this time
-        first_static = self.static_graph and self.num_iterations == 0
-        self._rebuild.decide_joined(first_static, self._rebuild_votes(last_flat))
-
 
 def _make_hook(reducer_ref: "weakref.ref[Reducer]", index: int) -> Callable[[torch.Tensor], None]:
     # A weak reference: the hooks live on the parameters, which may outlive the DDP wrapper.
