@@ -82,6 +82,7 @@ VARIANTS = {
     "bf16": ('dptrain compression="bf16"', lambda m: (lambda d: (d, _sgd(d)))(dptrain.DDP(m, compression="bf16"))),
     "psgd1": ("dptrain PowerSGD rank 1", _ours_psgd(1)),
     "psgd2": ("dptrain PowerSGD rank 2", _ours_psgd(2)),
+    "psgd4": ("dptrain PowerSGD rank 4", _ours_psgd(4)),
     "auto": ('dptrain compression="auto"', lambda m: (lambda d: (d, _sgd(d)))(dptrain.DDP(m, compression="auto"))),
     "torch_4": ("PyTorch DDP fp32, bucket_cap_mb=4", lambda m: (TorchDDP(m, bucket_cap_mb=4), _sgd(m))),
     "bf16_4": ('dptrain compression="bf16", bucket_cap_mb=4',

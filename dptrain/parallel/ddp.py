@@ -125,7 +125,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             numbers); ``"auto"``: time the first five synced steps, then keep fp32 on one
             node and on fast links, or switch to PowerSGD or bf16 on slow ones (rank 0
             prints which and why; see ``compression_choice``); ``"bf16"``, ``"fp16"``;
-            ``"powersgd"`` (rank 2, error feedback, after 10 plain steps). The same on
+            ``"powersgd"`` (rank 4, error feedback, after 10 plain steps). The same on
             every rank. Other settings: ``register_comm_hook``.
         overlap_optimizer: keyword only, not in PyTorch's DDP: an optimizer over the model's
             parameters (SGD, Adam, AdamW, Adagrad, Adamax, NAdam, RAdam, RMSprop, Adadelta,
