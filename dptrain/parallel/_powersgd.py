@@ -21,9 +21,10 @@ add and one subtract. Three choices keep it there:
   and becomes ``(M + e) - P Q^T`` in place afterwards: no per-step copy or allocation of
   bucket-sized tensors (PyTorch clones the bucket and allocates a new error every step,
   two page-faulting allocations of the gradient's size).
-- ``P Q^T`` for ``r <= 2`` is a sum of ``r`` outer products written by elementwise kernels
-  (one or two passes over ``M``, and bitwise the same on every rank); larger ranks use a
-  matrix product. ``P`` and ``Q`` of same-shaped gradients lie next to each other, so each
+- ``P Q^T`` for ``r <= 4`` is a sum of ``r`` outer products written by elementwise kernels
+  (bitwise the same on every rank): measured 0.3 ms for a 1024 x 1024 matrix at rank 4,
+  against 0.9 ms for the matrix product, whose inner dimension is too small for BLAS to be
+  efficient; larger ranks use the matrix product. ``P`` and ``Q`` of same-shaped gradients lie next to each other, so each
   group is orthogonalised by one batched Gram-Schmidt (or QR for ``r > 2``, as PyTorch).
 
 The values are PyTorch's up to fp32 rounding: the same random ``Q`` (same seeds), the same
@@ -244,14 +245,14 @@ def _orthonormalize_rows_(x: torch.Tensor, epsilon: float) -> None:
 
 
 def _decompress(p: torch.Tensor, qt: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = p @ qt`` (see [Note: PowerSGD arithmetic] for why outer products for r <= 2)."""
+    """``out = p @ qt`` (see [Note: PowerSGD arithmetic] for why outer products for r <= 4)."""
     r = p.shape[1]
-    if r > 2:
+    if r > 4:
         torch.mm(p, qt, out=out)
         return
     torch.mul(p[:, 0:1], qt[0:1], out=out)
-    if r == 2:
-        out.addcmul_(p[:, 1:2], qt[1:2])
+    for j in range(1, r):
+        out.addcmul_(p[:, j : j + 1], qt[j : j + 1])
 
 
 def _random_q(state: PowerSGDState, plan: _BucketPlan, q_groups: list, qts: list) -> None:
