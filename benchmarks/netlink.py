@@ -219,21 +219,28 @@ class TwoNodeLink:
                 raise LinkError(f"`tc qdisc add dev {veth} {' '.join(cmd)}` failed in {ns}: {out.stderr.strip()}")
 
     def close(self) -> None:
-        """Stop the node programs and delete both namespaces (the veth pair goes with them)."""
+        """Stop every process in the namespaces and delete both (the veth pair goes with them).
+
+        The launchers get SIGTERM first (each stops its ranks, as on Ctrl-C), then whatever is
+        still inside a namespace -- a rank whose launcher died first included -- gets SIGKILL.
+        """
         for p in self._procs:
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)  # each node runs in its own session
-                except ProcessLookupError:
-                    pass
+                _signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
         for p in self._procs:
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pass
+                _signal_group(p.pid, signal.SIGKILL)
         self._procs = []
         if self._up:
             for ns in self.namespaces:
+                for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
                 _ip("netns", "del", ns, check=False)
             self._up = False
 
@@ -255,7 +262,8 @@ class TwoNodeLink:
 
         Each node is ``dptrain run --nnodes 2 --node-rank K --nproc-per-node N
         --master-addr <node 0's address>`` inside its namespace. Returns both nodes' results
-        (node 0 first); ``timeout_s`` kills both and raises ``TimeoutError``.
+        (node 0 first); ``timeout_s`` stops both and raises ``TimeoutError`` (its ``outputs``:
+        what each node printed).
         """
         environ = dict(os.environ if env is None else env)
         environ.pop("GLOO_SOCKET_IFNAME", None)  # the launcher picks the veth that routes to node 0
@@ -280,7 +288,9 @@ class TwoNodeLink:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.close()
-                raise TimeoutError(f"the two-node run did not finish within {timeout_s:g}s: {' '.join(program)}")
+                error = TimeoutError(f"the two-node run did not finish within {timeout_s:g}s: {' '.join(program)}")
+                error.outputs = ["".join(outputs[n][0]) for n in (0, 1)]  # what each node printed so far
+                raise error from None
         for t in threads:
             t.join(timeout=10)
         return [NodeResult(n, p.returncode, "".join(outputs[n][0]), "".join(outputs[n][1]))
@@ -291,6 +301,13 @@ class TwoNodeLink:
         out = subprocess.run(["ip", "netns", "exec", self.namespaces[node], "tc", "-s", "qdisc", "show", "dev",
                               self.veths[node]], capture_output=True, text=True, timeout=30)
         return out.stdout.strip()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # each node runs in its own session
+    except ProcessLookupError:
+        pass
 
 
 def _pump(stream, sink: list, echo: bool, prefix: str) -> None:

@@ -10,6 +10,8 @@ more than the training. The namespaces are gone afterwards, also when the block 
 import os
 import re
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -62,6 +64,28 @@ def test_link_is_removed_when_the_block_raises(usable):
             names = link.namespaces
             raise RuntimeError("boom")
     assert not any(n in _namespaces() for n in names)
+
+
+def test_a_stopped_run_leaves_no_process_behind(usable):
+    # Stop the link while a job runs: its launchers and their ranks all go. A rank is a child
+    # of its launcher, in another process group: a SIGKILL to the launcher alone left it behind.
+    sleepy = os.path.join(ROOT, "tests", "scripts", "sleepy.py")
+    with netlink.TwoNodeLink("100mbit") as link:
+        job = threading.Thread(target=link.run, args=([sleepy],), kwargs={"timeout_s": 120}, daemon=True)
+        job.start()
+        pids: list[str] = []
+        deadline = time.monotonic() + 60
+        while len(pids) < 4 and time.monotonic() < deadline:  # a launcher and a rank per node
+            time.sleep(0.5)
+            pids = [p for n in link.namespaces for p in subprocess.run(
+                ["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()]
+        assert len(pids) >= 4, f"the job did not start within 60s: {pids}"
+        link.close()
+        job.join(30)
+    assert not job.is_alive()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid), 0)
 
 
 def test_delay_needs_netem(usable):
