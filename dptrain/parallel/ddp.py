@@ -122,19 +122,22 @@ class DistributedDataParallel(nn.Module, Joinable):
             ranks; in rank order on more). A copy (``copy.deepcopy``, unpickling) reduces
             through gloo: making one needs no collective.
         compression: keyword only, not in PyTorch's DDP: None (default, fp32, PyTorch's
-            numbers); ``"auto"``: time the first five synced steps, then keep fp32 on one
-            node and on fast links, or switch to PowerSGD or bf16 on slow ones (rank 0
-            prints which and why; see ``compression_choice``); ``"bf16"``, ``"fp16"``;
-            ``"powersgd"`` (rank 4, error feedback, after 10 plain steps). The same on
-            every rank. Other settings: ``register_comm_hook``.
+            numbers); ``"auto"``: time the first synced steps; keep fp32 on one node and
+            where communication hides behind backward, else try bf16 and PowerSGD for a
+            few steps each and keep the fastest (decided within 14 synced steps; rank 0
+            prints which and why; see ``compression_choice``); ``"bf16"``, ``"fp16"``
+            (with 1/4 MiB buckets unless ``bucket_cap_mb`` is given); ``"powersgd"``
+            (rank 4, error feedback, after 10 plain steps). The same on every rank.
+            Other settings: ``register_comm_hook``.
         overlap_optimizer: keyword only, not in PyTorch's DDP: an optimizer over the model's
             parameters (SGD, Adam, AdamW, Adagrad, Adamax, NAdam, RAdam, RMSprop, Adadelta,
             Rprop) that steps each bucket as soon as it is averaged, overlapping the update
             with communication; bitwise ``optimizer.step()``'s result. Keep calling
             ``optimizer.step()`` (after a synced backward it steps only what no bucket
             holds) and ``zero_grad()``; ``no_sync`` accumulation works; changing gradients
-            before the step (global-norm clipping, ``GradScaler``) raises. Copies of the
-            model do not overlap. Default None.
+            before the step (global-norm clipping, ``GradScaler``) raises. Buckets of
+            1/4 MiB unless ``bucket_cap_mb`` is given. Copies of the model do not overlap.
+            Default None.
 
     Raises:
         DDPSetupError: (a ``RuntimeError`` and a ``ValueError``) the ranks built different
@@ -402,7 +405,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def compression_choice(self) -> str | None:
         """The compression in use: None (fp32), "bf16", "fp16" or "powersgd"; with
-        ``compression="auto"``, None until it has decided (after five synced steps), then its choice."""
+        ``compression="auto"``, None until it has decided (within 14 synced steps), then its choice."""
         if self._auto_compression is not None:
             choice = self._auto_compression.choice
             return None if choice in (None, "fp32") else choice
