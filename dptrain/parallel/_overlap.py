@@ -68,6 +68,11 @@ class OptimizerOverlap:
 
     def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any) -> None:
         check_optimizer(optimizer)
+        if getattr(optimizer, "_dptrain_overlap", None) is not None:
+            raise ValueError(
+                "overlap_optimizer: this optimizer already steps the buckets of another DistributedDataParallel; "
+                "give each wrapped model its own optimizer"
+            )
         bucket_params = reducer.params
         self.optimizer = optimizer
         self.reducer = reducer
