@@ -38,13 +38,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from dptrain import _shm, comm
+from dptrain import _shm
 from dptrain._tensors import move_to_device
 from dptrain.parallel import dp as _dp
 from dptrain.parallel import _ddp_setup as setup
+from dptrain.parallel._compression import AutoCompression, check_compression, check_extensions, default_bucket_mb
+from dptrain.parallel._compression import install as install_compression
 from dptrain.parallel._ddp_delayed import DelayedAllReduce
+from dptrain.parallel._ddp_join import DDPJoinHook, all_reduce_requires_sync, find_common_rank
 from dptrain.parallel._ddp_mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
 from dptrain.parallel._ddp_setup import DDPSetupError
+from dptrain.parallel._overlap import OptimizerOverlap
 from dptrain.parallel._sink import attach_sink
 from dptrain.parallel.reducer import Reducer, bucket_size_limits
 
@@ -119,6 +123,23 @@ class DistributedDataParallel(nn.Module, Joinable):
             raising ValueError where it cannot. The same numbers as gloo (bitwise on two
             ranks; in rank order on more). A copy (``copy.deepcopy``, unpickling) reduces
             through gloo: making one needs no collective.
+        compression: keyword only, not in PyTorch's DDP: None (default, fp32, PyTorch's
+            numbers); ``"auto"``: time the first synced steps; keep fp32 on one node and
+            where communication hides behind backward, else try bf16 and PowerSGD for a
+            few steps each and keep the fastest (decided within 14 synced steps; rank 0
+            prints which and why; see ``compression_choice``); ``"bf16"``, ``"fp16"``
+            (with 1/4 MiB buckets unless ``bucket_cap_mb`` is given); ``"powersgd"``
+            (rank 4, error feedback, after 10 plain steps). The same on every rank.
+            Other settings: ``register_comm_hook``.
+        overlap_optimizer: keyword only, not in PyTorch's DDP: an optimizer over the model's
+            parameters (SGD, Adam, AdamW, Adagrad, Adamax, NAdam, RAdam, RMSprop, Adadelta,
+            Rprop) that steps each bucket as soon as it is averaged, overlapping the update
+            with communication; bitwise ``optimizer.step()``'s result. Keep calling
+            ``optimizer.step()`` (after a synced backward it steps only what no bucket
+            holds) and ``zero_grad()``; ``no_sync`` accumulation works; changing gradients
+            before the step (global-norm clipping, ``GradScaler``) raises. Buckets of
+            1/4 MiB unless ``bucket_cap_mb`` is given. Copies of the model do not overlap.
+            Default None.
 
     Raises:
         DDPSetupError: (a ``RuntimeError`` and a ``ValueError``) the ranks built different
@@ -126,8 +147,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             module has no parameter that requires grad, it holds uninitialized (lazy)
             parameters, or both ``process_group`` and ``device_mesh`` were given.
         ValueError: ``device_ids``/``output_device`` for a CPU or multi-device module, a
-            bucket size that is not positive, or only one of the two delayed-all-reduce
-            arguments.
+            bucket size that is not positive, only one of the two delayed-all-reduce
+            arguments, an unknown ``compression``, an ``overlap_optimizer`` that cannot be
+            stepped bucket by bucket, or ``compression``/``overlap_optimizer`` together
+            with ``mixed_precision``.
         NotImplementedError: ``device_mesh`` sliced out of a larger mesh (DDP with tensor
             parallelism), or ``mixed_precision`` without a process group.
 
@@ -166,6 +189,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         forward_sync_buffers: bool | None = None,
         *,
         shm: bool | None = None,
+        compression: str | None = None,
+        overlap_optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -200,6 +225,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._divide_by_initial_world_size = True
         self._warn_ignored_arguments(check_reduction, bucket_cap_mb, bucket_cap_mb_list)
         self._check_mixed_precision()
+        self.compression = check_compression(compression)
+        self._auto_compression: AutoCompression | None = None
+        self._overlap_optimizer = overlap_optimizer
+        self._overlap: OptimizerOverlap | None = None
+        check_extensions(self.mixed_precision, self.compression, overlap_optimizer)
         self.reducer: Reducer | None = None
         self._delayed: DelayedAllReduce | None = None
         self._mixed_precision: MixedPrecisionState | None = None
@@ -283,6 +313,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             "forward_sync_buffers": self.forward_sync_buffers,
             "skip_all_reduce_unused_params": self.skip_all_reduce_unused_params,
             "mixed_precision": mp_dtypes,
+            "compression": self.compression,
         }
 
     def _reducer_params(self) -> tuple[list[nn.Parameter], list[str]]:
@@ -303,7 +334,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
-            bucket_cap_mb_list=self.bucket_cap_mb_list,
+            bucket_cap_mb_list=self.bucket_cap_mb_list or default_bucket_mb(
+                self.bucket_cap_mb, self.compression, self._overlap_optimizer is not None
+            ),
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
             batched_grad_copy=self.batched_grad_copy,
             grad_dtype=None if self._mixed_precision is None else self._mixed_precision.grad_dtype,
@@ -312,6 +345,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._mixed_precision is not None:
             self.reducer.comm_hook_state = _UpcastHookState(self)
             self.reducer.comm_hook = allreduce_and_upcast_hook
+        self._auto_compression = install_compression(
+            self.reducer, self.compression, self._shm is not None, self.bucket_cap_mb is None and not self.bucket_cap_mb_list
+        )
+        if self._overlap_optimizer is not None:
+            self._overlap = OptimizerOverlap(self._overlap_optimizer, self.reducer)
+            self.reducer.on_bucket_reduced = self._overlap.step_bucket
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -332,10 +371,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if torch.is_grad_enabled():
             reducer.rebuild_buckets()  # once, after the first backward (see the reducer's notes)
         if self._will_sync_buffers():
-            src = self._find_common_rank(self._rank, True) if self._join_config.enable else 0
+            src = find_common_rank(self, self._rank, True) if self._join_config.enable else 0
             self._sync_buffers(src)
         if self._join_config.enable:
-            self._all_reduce_requires_sync(joined=False)
+            all_reduce_requires_sync(self, joined=False)
         if self.device_ids:
             target = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = setup.map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
@@ -365,6 +404,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.require_forward_param_sync = False
         return output
 
+    @property
+    def compression_choice(self) -> str | None:
+        """The compression in use: None (fp32), "bf16", "fp16" or "powersgd"; with
+        ``compression="auto"``, None until it has decided (within 14 synced steps), then its choice."""
+        if self._auto_compression is not None:
+            choice = self._auto_compression.choice
+            return None if choice in (None, "fp32") else choice
+        return self.compression
+
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts the buffers (PyTorch's method of the same name)."""
         return self._will_sync_buffers()
@@ -382,22 +430,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         buffers = self._managed_buffers()
         with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
             setup.broadcast_coalesced(buffers, src, self.process_group)
-
-    def _find_common_rank(self, rank: int, candidate: bool) -> int:
-        """The highest group rank among candidates (PyTorch's rule for join's authoritative rank)."""
-        t = torch.tensor([rank if candidate else -1], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
-        return int(t.item())
-
-    def _all_reduce_requires_sync(self, joined: bool) -> bool | None:
-        """Join: tell the joined ranks whether this iteration's backward synchronises (1 per rank)."""
-        syncing = not joined and self.require_backward_grad_sync
-        flag = torch.full((1,), float(syncing), device=self.device)
-        work = dist.all_reduce(flag, group=self.process_group, async_op=True)
-        if not joined:
-            return None
-        comm.wait(work, "DDP join (which ranks still train)", self.process_group)
-        return bool(flag.item() != 0)
 
     # ------------------------------------------------------------------ settings after construction
     @property
@@ -463,7 +495,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer = state.pop("reducer")
         state.pop("_outer_ddp", None)
         state["_shm"] = None  # a copy reduces through gloo: see the shm argument
-        if reducer is not None and self._mixed_precision is None and reducer.comm_hook is not None:
+        state["_auto_compression"] = None  # a copy with compression="auto" measures and decides anew
+        state["_overlap_optimizer"] = state["_overlap"] = None  # the optimizer holds the original's parameters
+        if reducer is not None and self._mixed_precision is None and reducer.comm_hook is not None and not self.compression:
             state["_comm_hook"] = (reducer.comm_hook, reducer.comm_hook_state)
         return state
 
@@ -527,6 +561,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise TypeError(f"communication hook must be callable, got {type(hook).__name__}")
         if self.reducer is None:
             return  # a world of one: gradients are already the average
+        if self.compression is not None:
+            raise RuntimeError(
+                f"DistributedDataParallel(compression={self.compression!r}) manages the communication hook; pass "
+                "compression=None to register your own"
+            )
         if self.reducer.comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once per DistributedDataParallel model")
         self.reducer.comm_hook_state = state
@@ -566,7 +605,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
     def join_device(self) -> torch.device:
@@ -596,30 +635,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Concatenate per-device ``outputs`` along ``dim`` on ``output_device``."""
         device = torch.device(self.device_type, output_device) if isinstance(output_device, int) else torch.device(output_device)
         return _dp.gather(outputs, device, self.dim)
-
-
-class _DDPJoinHook(JoinHook):
-    """What a joined rank does each round: the collectives of one forward and backward, with zeros."""
-
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
-        self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
-
-    def main_hook(self) -> None:
-        ddp = self.ddp
-        ddp.reducer.rebuild_buckets()  # matches the rebuild in the other ranks' forward
-        if ddp._will_sync_buffers():
-            ddp._sync_buffers(ddp._find_common_rank(ddp._rank, False))
-        should_sync = ddp._all_reduce_requires_sync(joined=True)
-        ddp.require_forward_param_sync = bool(should_sync)
-        if should_sync:
-            ddp.reducer.shadow_backward()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        ddp = self.ddp
-        src = ddp._find_common_rank(ddp._rank, is_last_joiner)
-        tensors = setup.managed_tensors(ddp.module, ddp.parameters_to_ignore, ddp.forward_sync_buffers)
-        setup.broadcast_coalesced(tensors, src, ddp.process_group)
 
 
 DDP = DistributedDataParallel

@@ -28,6 +28,15 @@ hangs); after the all-reduce every rank knows how many ranks failed, and every r
 at its next forward, not only the one that holds the unused parameter. The second is the
 bucket rebuild's vote.
 
+[Note: observers of a backward]
+Two optional attributes let DistributedDataParallel's extensions follow a synced backward
+without the reducer knowing what they do. ``observer`` (``compression="auto"``) is told when
+backward starts, when each bucket is launched and when the backward is over (also on a
+rank that has joined), so it can time computation against communication.
+``on_bucket_reduced(params)`` (``overlap_optimizer``) is called with a bucket's parameters as
+soon as that bucket's averaged gradients are in ``.grad``, while later buckets are still on
+the wire.
+
 [Note: which backward is ours]
 Only a backward that accumulates into ``.grad`` starts a reduction, not
 ``torch.autograd.grad`` through the outputs (see :mod:`dptrain.parallel._sink`).
@@ -55,6 +64,7 @@ from dptrain.parallel._buckets import (
     compute_bucket_assignment,
     reached_params,
 )
+from dptrain.parallel._hook_pipeline import flush_hook_state
 from dptrain.parallel._rebuild import BucketRebuild
 from dptrain.parallel._sink import new_anchor
 
@@ -124,6 +134,8 @@ class Reducer:
         self.batched_grad_copy = batched_grad_copy
         self.grad_dtype = grad_dtype
         self.bucket_limits = bucket_size_limits(bucket_cap_mb, bucket_cap_mb_list)
+        self.initial_bucket_limits = list(self.bucket_limits)
+        self._new_limits: list[int] | None = None  # see set_bucket_limits
         self._sizes = [p.numel() * p.element_size() for p in self.params]
         self._keys = [(p.dtype, p.device) for p in self.params]
         if self.find_unused_parameters:
@@ -137,6 +149,9 @@ class Reducer:
         self._init_buckets(assignment)
         self.comm_hook: Callable | None = None
         self.comm_hook_state: Any = None
+        # Optional, set by DistributedDataParallel (see [Note: observers of a backward]).
+        self.observer: Any = None
+        self.on_bucket_reduced: Callable[[list[torch.nn.Parameter]], None] | None = None
         self.num_iterations = 0  # synced backward passes so far
         self._rebuild = BucketRebuild(len(self.params), never=self.find_unused_parameters)
 
@@ -240,6 +255,10 @@ class Reducer:
         Every rank calls it at the same point; returns whether the layout changed.
         """
         order = self._rebuild.exchange(self.process_group, self.params[0].device)
+        if order is None and self._new_limits is not None:
+            order = [i for bucket in self.assignment for i in bucket]  # the current launch order
+        self.bucket_limits = self._new_limits or self.bucket_limits
+        self._new_limits = None
         if order is None:
             return False
         assignment = compute_bucket_assignment(self._sizes, self._keys, self.bucket_limits, order)
@@ -247,6 +266,14 @@ class Reducer:
             return False
         self._init_buckets(assignment)
         return True
+
+    def set_bucket_limits(self, limits: Sequence[int]) -> None:
+        """New bucket byte limits, applied at the next forward's :meth:`rebuild_buckets`.
+
+        Called on every rank at the same point of training (``compression="auto"`` does it
+        when it decides), so every rank re-buckets at the same forward.
+        """
+        self._new_limits = list(limits)
 
     @property
     def has_rebuilt_buckets(self) -> bool:
@@ -292,6 +319,8 @@ class Reducer:
             return
         self.phase = BackwardPhase.RUNNING
         Variable._execution_engine.queue_callback(self._finalize_backward)
+        if self.observer is not None:
+            self.observer.backward_started()
         if self._static_first_iteration:
             self._hook_counts = [0] * len(self.params)
         for j in self._unused_now:
@@ -433,6 +462,8 @@ class Reducer:
             bucket.buffer.div_(self._divisor())
 
     def _launch(self, bucket: _Bucket) -> None:
+        if self.observer is not None:
+            self.observer.bucket_launched(bucket.index)
         if self.comm_hook is None:
             if bucket.flat.numel() > bucket.numel:
                 bucket.flat[bucket.numel] = float(self._error is not None)
@@ -474,18 +505,22 @@ class Reducer:
             for i in range(len(self.params)):
                 self._mark_ready(i)
         write_back = self._complete_missing()
+        flush_hook_state(self.comm_hook_state)  # before the used map: collectives stay in order
         self._reduce_used_map(track_used)
         # Copy each bucket out as soon as its own all-reduce is done, overlapping the copies
         # with the buckets still on the wire (PyTorch does the same).
         for bucket, work in zip(self.buckets, self._works):
-            if work is None:
-                continue  # skip_all_reduce_unused_params: left local, .grad untouched
-            source = self._wait(bucket, work)
-            if write_back:
-                self._write_back(bucket, source)
+            if work is not None:  # None: skip_all_reduce_unused_params left it local, .grad untouched
+                source = self._wait(bucket, work)
+                if write_back:
+                    self._write_back(bucket, source)
+            if write_back and self.on_bucket_reduced is not None:
+                self.on_bucket_reduced(bucket.params)
         self._read_status()
         if recording and write_back and self._error is None and self._works[-1] is not None:
             self._rebuild.decide(self._rebuild_votes(self.buckets[-1].flat))
+        if self.observer is not None:
+            self.observer.backward_finished(joined=False)
 
     def _complete_missing(self) -> bool:
         """Launch the buckets that still wait for gradients; False if this backward was faulty."""
@@ -590,35 +625,6 @@ class Reducer:
         if self._used_reduced is None:
             self._used_reduced = torch.zeros(len(self.params), dtype=torch.int32, device=device)
         return self._used_reduced
-
-    # ------------------------------------------------------------------ join
-    def shadow_backward(self) -> None:
-        """For a rank that has joined: run the collectives of one synced backward with zeros."""
-        works, zeros = [], None
-        for bucket in self.buckets:
-            zeros = torch.zeros_like(bucket.flat if self.comm_hook is None else bucket.buffer)
-            if self.comm_hook is None:
-                works.append(self._all_reduce(zeros, bucket.index))
-            else:
-                works.append(self._run_hook(bucket, zeros))
-        for bucket, w in zip(self.buckets, works):
-            comm.wait(w, f"DDP gradient all-reduce of a joined rank (bucket {bucket.index})", self.process_group)
-        if self._tracks_used:
-            # [Note: join and the used map] Like PyTorch, a joined rank contributes the map left
-            # from its last reduction (reduced in place, so it only grows), not zeros: parameters
-            # used before it joined count as used, and get zero gradients instead of None.
-            dist.all_reduce(self._used_map(self.params[0].device), group=self.process_group)
-        self._shadow_rebuild_decision(zeros)
-        self.num_iterations += 1
-
-    def _shadow_rebuild_decision(self, last_flat: torch.Tensor) -> None:
-        # The ranks still training decide on a rebuild after this backward; this rank reads
-        # the same vote and takes part in the broadcast (see [Note: bucket rebuild]).
-        last = self.buckets[-1]
-        if self.comm_hook is None and last.flat.numel() > last.numel and last_flat[last.numel].item() > 0:
-            return  # a rank failed: nobody decides this time
-        first_static = self.static_graph and self.num_iterations == 0
-        self._rebuild.decide_joined(first_static, self._rebuild_votes(last_flat))
 
 
 def _make_hook(reducer_ref: "weakref.ref[Reducer]", index: int) -> Callable[[torch.Tensor], None]:

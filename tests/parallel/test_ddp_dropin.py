@@ -44,7 +44,7 @@ def _steps(model, opt, rank, first, n):
 # ---------------------------------------------------------------------------- signature
 # dptrain's own constructor arguments: keyword only, after all of PyTorch's, so no call
 # written for PyTorch can reach them.
-_EXTENSIONS = {"shm"}
+_EXTENSIONS = {"shm", "compression", "overlap_optimizer"}
 
 
 def test_constructor_signature_is_the_installed_torchs():
