@@ -88,6 +88,7 @@ class _Runner:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
+        _RUNNERS.add(self)
 
     def submit(self, fn: Callable[[], None]) -> Work:
         work = Work()
@@ -113,12 +114,33 @@ class _Runner:
                 work._error = exc
             work._done.set()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = False) -> None:
         with self.lock:
-            if self.thread is None:
+            thread = self.thread
+            if thread is None:
                 self.seg.close()
             elif not self.seg.closed:
                 self.jobs.put(None)  # the worker closes the segment after the queued work
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+
+# Every live runner, so that the process can end their threads before it exits.
+_RUNNERS: "weakref.WeakSet[_Runner]" = weakref.WeakSet()
+
+
+def close_all() -> None:
+    """End every group's worker thread, after its queued collectives; called by
+    :func:`dptrain.shutdown` (which ``init`` also registers with ``atexit``).
+
+    The wait is the point: a worker still inside one of torch's kernels when the interpreter
+    finalizes is killed as it takes the GIL back, inside a ``noexcept`` C++ frame, and the
+    whole process ends in SIGABRT ("terminate called without an active exception") after the
+    script has finished. A queued collective ends by itself: it completes, or fails at the
+    collective timeout or as soon as a missing rank is found dead.
+    """
+    for runner in list(_RUNNERS):
+        runner.stop(wait=True)
 
 
 class ShmGroup:

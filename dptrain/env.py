@@ -19,6 +19,7 @@ import atexit
 import dataclasses
 import datetime
 import os
+import sys
 import warnings
 from typing import Mapping
 
@@ -284,6 +285,9 @@ def shutdown() -> None:
         >>> dptrain.shutdown()   # doctest: +SKIP
     """
     _diagnostics.reset()
+    shm = sys.modules.get("dptrain._shm")  # loaded only where a group shares memory
+    if shm is not None:
+        shm.close_all()
     if _STATE.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _STATE.world = None

@@ -285,7 +285,10 @@ class _Job:
         """
         if self.store is not None:
             return
-        _import_torch_politely()
+        # At normal priority on purpose: node 0's store must answer other nodes within their
+        # connect timeout even on a machine whose every core is busy (a niced import was
+        # starved there for over a minute).
+        import torch.distributed  # noqa: F401 - the first import of torch in the launcher
         if self.server is not None:
             self.store = self.server.serve()
             return
@@ -532,27 +535,6 @@ class _Job:
         if self.server:
             self.server.close()
         shutil.rmtree(self.error_dir, ignore_errors=True)
-
-
-def _import_torch_politely() -> None:
-    """Import torch in a thread of the lowest CPU priority.
-
-    The ranks just started and import torch themselves; on a machine with no core to spare
-    the launcher's own import would compete with theirs and delay the first step. A thread's
-    niceness can be raised without privileges (Linux), and the rest of the launcher keeps its own.
-    """
-    import threading
-
-    def work() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        import torch.distributed  # noqa: F401 - the import is the point
-
-    thread = threading.Thread(target=work, name="dptrain-import-torch", daemon=True)
-    thread.start()
-    thread.join()
 
 
 _POLL_S = 0.05

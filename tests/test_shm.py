@@ -165,6 +165,7 @@ def _entry(fn, rank, n, port, conn):
 def _run_with_a_victim(fn, n, timeout=60.0):
     """Like run_ranks, but a rank's death does not stop the others: the survivors report."""
     server = _rendezvous._StoreServer("127.0.0.1", 0, n, timeout_s=timeout)
+    server.serve()
     procs, conns = [], []
     try:
         for rank in range(n):

@@ -25,7 +25,9 @@ def _zero_vs_ddp(rank, cdir):
         t.fit(2)
         out[label] = _params(t)
     # resume from the mid-epoch checkpoint of step 10: the same weights at the end
-    os.remove(checkpoint.latest_checkpoint(cdir))
+    if rank == 0:  # one rank deletes; the others wait until it is gone
+        os.remove(checkpoint.latest_checkpoint(cdir))
+    dptrain.comm.barrier()
     again = _trainer(cdir, resume="auto", max_grad_norm=0.5, steps=5, zero_stage=1)
     again.fit(2)
     out["resumed"] = _params(again)

@@ -5,7 +5,8 @@
 Each rank is forked from this process (torch is imported once, so a job costs a fraction
 of a second), joins its job, runs the heartbeat as fast as it can -- so that it is inside a store
 write whenever the process ends --, all-reduces (or not: it leaves right after init, as
-a hello-world does) and then leaves the way scripts do: half of the jobs call
+a hello-world does), takes a DDP step (or not: its buckets are summed on a worker thread)
+and then leaves the way scripts do: half of the jobs call
 ``dptrain.shutdown()``, half leave it to ``atexit``. Either way
 the rank ends through the interpreter's normal exit, where a thread still inside a C++
 call aborts the process ("terminate called without an active exception"). Ranks of
@@ -33,6 +34,9 @@ def rank_main(rank: int, port: int, kind: int) -> None:
         t = torch.ones(4)
         comm.all_reduce(t)
         assert t[0].item() == 2.0, t
+    if kind & 4:  # a DDP step: its buckets are summed by the shared-memory worker thread
+        model = dptrain.DDP(torch.nn.Linear(64, 64))
+        model(torch.randn(8, 64)).sum().backward()
     if kind & 2:
         dptrain.shutdown()
 
@@ -61,7 +65,7 @@ def main() -> int:
         while started < jobs and len(running) < 2 * parallel:
             port = free_port()
             for rank in (0, 1):
-                running[fork_rank(rank, port, kind=started % 4)] = (started, rank)
+                running[fork_rank(rank, port, kind=started % 8)] = (started, rank)
             started += 1
         pid, status = os.wait()
         job, rank = running.pop(pid)
