@@ -87,6 +87,15 @@ def _ranks(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected ranks like 0 or 0,2, got {value!r}") from None
 
 
+def _nnodes(value: str) -> tuple[int | None, int]:
+    """``N`` (exactly N nodes) or ``MIN:MAX`` (elastic) -> (min or None, max)."""
+    low, sep, high = value.partition(":")
+    try:
+        return (int(low), int(high)) if sep else (None, int(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of nodes like 2, or MIN:MAX like 1:4, got {value!r}") from None
+
+
 _MAIN_EXAMPLES = """examples:
   dptrain run --nproc-per-node 2 train.py --lr 0.1     # two ranks on this machine
   dptrain run --nproc-per-node auto -m mypackage.train  # one rank per GPU (or per core)
@@ -102,6 +111,8 @@ _RUN_EXAMPLES = """examples:
   # two machines (run on each, with node 0's address):
   dptrain run --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 train.py
   dptrain run --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 train.py
+  # elastic: go on with at least 1 of 2 nodes when one is lost (the Trainer resumes on the smaller world)
+  dptrain run --nnodes 1:2 --max-restarts 3 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
 
 Every word after the script is the script's. Each rank gets torchrun's environment (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), so the same script also runs under torchrun.
@@ -143,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_RUN_EXAMPLES, formatter_class=examples,
     )
     _flag(run, "--nproc-per-node", type=_nproc, default=1, metavar="N|auto", help="ranks on this node (default 1)")
-    _flag(run, "--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    _flag(run, "--nnodes", type=_nnodes, default=(None, 1), metavar="N|MIN:MAX",
+          help="number of nodes (default 1); MIN:MAX restarts on fewer nodes when one is lost (elastic)")
+    _flag(run, "--join-timeout", type=float, default=30.0,
+          help="elastic jobs: seconds node 0 waits at each (re)start for nodes beyond MIN (default 30)")
     _flag(run, "--node-rank", type=int, default=None,
           help="index of this node (default: SLURM_NODEID inside a Slurm job, else 0)")
     _flag(run, "--master-addr", default=None, help="address of node 0 (required with --nnodes > 1)")
@@ -228,8 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 program=ns.program,
                 args=list(ns.args),
                 nproc_per_node=ns.nproc_per_node,
-                nnodes=ns.nnodes,
-                node_rank=ns.node_rank if ns.node_rank is not None else _default_node_rank(ns.nnodes),
+                nnodes=ns.nnodes[1],
+                min_nodes=ns.nnodes[0],
+                join_timeout=ns.join_timeout,
+                node_rank=ns.node_rank if ns.node_rank is not None else _default_node_rank(ns.nnodes[1]),
                 master_addr=ns.master_addr,
                 master_port=ns.master_port,
                 module=ns.module,

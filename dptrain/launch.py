@@ -7,7 +7,8 @@ running: when one rank fails the others are stopped (TERM, then KILL after a gra
 and the failure is reported with the rank, its exit code and the tail of its traceback.
 SIGINT, SIGTERM, SIGHUP and SIGQUIT stop every rank and end the launcher with 128 + the
 signal's number; if the launcher dies without a chance to do so (SIGKILL), its ranks die
-with it (see ``_janitor``). ``--max-restarts`` restarts the whole job.
+with it (see ``_janitor``). ``--max-restarts`` restarts the whole job; with ``--nnodes
+MIN:MAX`` on the nodes that are still there (see ``_membership``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Callable, Sequence
 
 from dptrain._janitor import Janitor, parent_death_signal
 from dptrain._join import WAIT_REPORT_S, probe, ranks_text
+from dptrain._membership import Elastic, Membership
 from dptrain._relay import Console, Relay
 from dptrain._heartbeat import DEFAULT_TIMEOUT_S, EXITS_PUBLISHED, describe_exit, key, keys_prefix, where
 from dptrain._rendezvous import (
@@ -48,8 +50,10 @@ __all__ = ["LaunchConfig", "run_job", "RankFailedError", "free_port", "rank_envi
 class LaunchConfig:
     """What ``dptrain run`` was asked to do; validated on construction.
 
-    Attributes mirror torchrun's flags: ``nproc_per_node``, ``nnodes``, ``node_rank``,
-    ``master_addr``, ``master_port``; plus ``log_ranks`` (ranks whose output is shown,
+    Attributes mirror torchrun's flags: ``nproc_per_node``, ``nnodes`` (the most nodes),
+    ``node_rank``, ``master_addr``, ``master_port``; ``min_nodes`` (None: exactly ``nnodes``;
+    fewer: elastic, see :mod:`dptrain._membership`) and ``join_timeout`` (seconds node 0
+    waits at each attempt for nodes beyond ``min_nodes``); plus ``log_ranks`` (ranks whose output is shown,
     None for all), ``max_restarts``, ``timeout`` (seconds for collectives), ``debug``,
     ``profile`` (the Trainer's per-rank step report), ``module`` (run ``python -m``),
     ``program`` and ``args``.
@@ -68,6 +72,8 @@ class LaunchConfig:
     timeout: float | None = None
     debug: bool = False
     profile: bool = False
+    min_nodes: int | None = None
+    join_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -78,6 +84,11 @@ class LaunchConfig:
             raise ValueError(
                 f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1} for --nnodes {self.nnodes}"
             )
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
+            raise ValueError(f"--nnodes {self.min_nodes}:{self.nnodes}: the minimum must be between 1 and the "
+                             f"maximum, e.g. --nnodes 1:{self.nnodes}")
+        if self.join_timeout <= 0:
+            raise ValueError(f"--join-timeout must be a positive number of seconds, got {self.join_timeout}")
         if self.nnodes > 1 and (not self.master_addr or not self.master_port):
             raise ValueError(
                 "a job on several nodes needs an explicit rendezvous address: add "
@@ -100,6 +111,10 @@ class LaunchConfig:
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
 
 
 class _RankProcess:
@@ -249,8 +264,17 @@ class _Job:
         self.janitor.tell("dir", self.error_dir)
         self.ranks: list[_RankProcess] = []
         self.server = None
+        self.elastic: Elastic | None = None
+        # This node's place in the current attempt; fixed unless the job is elastic.
+        self.layout = Membership(node_rank=config.node_rank, rank_base=config.node_rank * config.nproc_per_node,
+                                 num_nodes=config.nnodes, world_size=config.world_size, nodes=())
         try:
             self._connect()
+            if config.elastic:  # membership is decided in the store before any rank starts
+                self._open_store()
+                self.elastic = Elastic(self.store, config.node_rank, config.nproc_per_node, config.min_nodes,
+                                       config.nnodes, config.join_timeout, config.timeout or DEFAULT_TIMEOUT_S,
+                                       self.log, self._check_signals)
         except BaseException:
             self.close()
             raise
@@ -276,6 +300,19 @@ class _Job:
         else:
             self._wait_for_master(timeout)
         self.port = self.server.port if self.server else config.master_port
+
+    def _check_signals(self) -> None:
+        if self.signals.received:
+            raise _Interrupted()
+
+    def admit(self, attempt: int) -> bool:
+        """Elastic jobs: take this node's place in ``attempt`` (False: not admitted to it)."""
+        if self.elastic is None:
+            return True
+        layout = self.elastic.join(attempt)
+        if layout is not None:
+            self.layout = layout
+        return layout is not None
 
     def _open_store(self) -> None:
         """The store this launcher reads and writes: hosted on node 0, a client elsewhere.
@@ -312,8 +349,7 @@ class _Job:
             why = probe(self.host, self.config.master_port, timeout_s=1.0)
             if why is None:
                 return
-            if self.signals.received:
-                raise _Interrupted()
+            self._check_signals()
             waited = time.monotonic() - t0
             if waited >= timeout:
                 raise ValueError(f"node {self.config.node_rank} could not reach node 0's rendezvous at {where} "
@@ -347,13 +383,13 @@ class _Job:
         return env
 
     def _rank_env(self, rank: int, local: int, attempt: int, show: bool) -> dict[str, str]:
-        config = self.config
+        config, layout = self.config, self.layout
         environ = dict(self.base_env)
         environ.update(
             rank_environ(
-                rank=rank, local_rank=local, world_size=config.world_size,
-                local_world_size=config.nproc_per_node, node_rank=config.node_rank,
-                num_nodes=config.nnodes, master_addr=self.host, master_port=self.port, run_id=self.run_id,
+                rank=rank, local_rank=local, world_size=layout.world_size,
+                local_world_size=config.nproc_per_node, node_rank=layout.node_rank,
+                num_nodes=layout.num_nodes, master_addr=self.host, master_port=self.port, run_id=self.run_id,
                 restart_count=attempt, max_restarts=config.max_restarts, error_dir=self.error_dir,
             )
         )
@@ -378,7 +414,7 @@ class _Job:
         for local in range(config.nproc_per_node):
             if self.signals.received:
                 return
-            rank = config.node_rank * config.nproc_per_node + local
+            rank = self.layout.rank_base + local
             show = config.log_ranks is None or rank in config.log_ranks
             environ = self._rank_env(rank, local, attempt, show)
             proc = _RankProcess(rank, local, self.cmd, environ, show, self.console)
@@ -531,6 +567,8 @@ class _Job:
 
         if self.ranks:
             stop_processes(self.ranks, grace_s=0.5)
+        if self.elastic is not None and self.elastic.coordinator:
+            self.elastic.finish()  # nodes still waiting to be admitted end too
         self.janitor.done()
         if self.server:
             self.server.close()
@@ -566,9 +604,14 @@ def run_job(config: LaunchConfig) -> int:
 
 def _run_attempts(job: _Job) -> int:
     config, signals = job.config, job.signals
-    for attempt in range(config.max_restarts + 1):
-        if signals.received:
-            break
+    attempt = job.elastic.first_attempt() if job.elastic else 0
+    while attempt <= config.max_restarts and not signals.received:
+        if not job.admit(attempt):
+            if not job.elastic.wait_for_next(attempt):
+                job.log(f"dptrain run: the job ended without node {config.node_rank}")
+                return 0
+            attempt += 1
+            continue
         job.start(attempt)
         failed, peer = job.watch(attempt)
         if signals.received or (failed is None and peer is None):
@@ -578,6 +621,7 @@ def _run_attempts(job: _Job) -> int:
             return code
         if attempt < config.max_restarts:
             job.log(f"dptrain run: restarting all ranks (restart {attempt + 1} of {config.max_restarts})")
+            attempt += 1
             continue
         if config.max_restarts:
             job.log(f"dptrain run: giving up after {config.max_restarts} restart(s)")

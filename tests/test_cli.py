@@ -18,10 +18,21 @@ def test_run_flags_accept_both_spellings():
     p = build_parser()
     a = p.parse_args(["run", "--nproc-per-node", "4", "--master_port", "1234", "--node-rank", "1", "--nnodes", "2",
                       "--master-addr", "10.0.0.1", "train.py", "--lr", "0.1"])
-    assert (a.nproc_per_node, a.master_port, a.node_rank, a.nnodes, a.master_addr) == (4, 1234, 1, 2, "10.0.0.1")
+    assert (a.nproc_per_node, a.master_port, a.node_rank, a.nnodes, a.master_addr) == (4, 1234, 1, (None, 2), "10.0.0.1")
     assert a.program == "train.py" and a.args == ["--lr", "0.1"]
     b = p.parse_args(["run", "--nproc_per_node=auto", "--log_ranks", "0,2", "-m", "pkg.mod"])
     assert b.nproc_per_node >= 1 and b.log_ranks == [0, 2] and b.module and b.program == "pkg.mod"
+
+
+def test_nnodes_min_max_makes_an_elastic_job(capsys):
+    ns = build_parser().parse_args(["run", "--nnodes", "1:3", "--join-timeout", "5", "train.py"])
+    assert ns.nnodes == (1, 3) and ns.join_timeout == 5.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--nnodes", "one:3", "train.py"])
+    assert "expected a number of nodes like 2, or MIN:MAX like 1:4, got 'one:3'" in capsys.readouterr().err
+    script = os.path.join(ROOT, "tests", "scripts", "dump_env.py")
+    assert main(["run", "--nnodes", "3:2", "--master-addr", "10.0.0.1", "--master-port", "29500", script]) == 2
+    assert "--nnodes 3:2: the minimum must be between 1 and the maximum" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, launcher, program, script_args", [

@@ -1,0 +1,184 @@
+"""Elastic membership: which nodes take part in each attempt of a job (``--nnodes MIN:MAX``).
+
+[Note: elastic attempts]
+With a fixed ``--nnodes N`` every attempt runs on the same N nodes, and a node that is gone
+for good ends the job. With ``--nnodes MIN:MAX`` the node set is decided again at the start
+of every attempt, in the rendezvous store that node 0's launcher hosts:
+
+1. node 0 opens attempt k (``<prefix>/current = k``);
+2. every launcher that wants to take part registers (an arrival number from ``add``, then
+   its node id, its number of ranks and a token unique to that launcher);
+3. node 0 waits until MAX nodes have arrived, or until ``join_timeout`` seconds have passed
+   with at least MIN of them, and writes the members in node-id order (itself first):
+   their order gives every node its node rank and its first global rank for attempt k;
+4. a launcher that arrived too late is not a member: it waits for the next restart (the
+   key ``launcher/failed/<k>`` that every restart starts from) and registers again, so a
+   node that comes back is admitted at the next restart. When the job ends, node 0 writes
+   ``<prefix>/done``, and a node still waiting ends too.
+
+A lost node shows up as a failure of the ranks that talk to it (their connections close,
+or their collective times out); the job restarts (``--max-restarts``), and the node that
+does not come back within ``join_timeout`` is left out: the ranks start as a smaller world
+and the Trainer resumes from the newest checkpoint on the new world size, where its sampler
+gives every sample not yet seen in the epoch to exactly one rank. Node 0 hosts the store,
+so it cannot be the node that is lost (as with torchrun's built-in rendezvous).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, Callable
+
+PREFIX = "launcher/elastic"
+DONE = f"{PREFIX}/done"
+_POLL_S = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """This node's place in one attempt: its node rank, the first global rank of its ranks,
+    how many nodes and ranks the attempt has, and the node ids of the nodes left out."""
+
+    node_rank: int
+    rank_base: int
+    num_nodes: int
+    world_size: int
+    nodes: tuple[int, ...]
+
+
+class Elastic:
+    """One launcher's side of the protocol in the note above.
+
+    ``store`` is the rendezvous store; ``node_id`` this launcher's ``--node-rank`` (0: the
+    coordinator); ``log`` prints a launcher line; ``interrupted`` raises when a signal
+    arrived (waits call it between polls).
+    """
+
+    def __init__(self, store: Any, node_id: int, nproc: int, min_nodes: int, max_nodes: int,
+                 join_timeout: float, timeout: float, log: Callable[[str], None],
+                 interrupted: Callable[[], None]) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.nproc = nproc
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.join_timeout = join_timeout
+        self.timeout = timeout
+        self.log = log
+        self.interrupted = interrupted
+        self.token = uuid.uuid4().hex
+        self.last_nodes: tuple[int, ...] | None = None
+
+    @property
+    def coordinator(self) -> bool:
+        return self.node_id == 0
+
+    # ---- the attempt to join
+    def first_attempt(self) -> int:
+        """The attempt this launcher can join first: 0 for node 0, else the one node 0 has opened."""
+        if self.coordinator:
+            return 0
+        self._wait_for(f"{PREFIX}/current", self.timeout, "node 0 to open the job")
+        return int(self.store.get(f"{PREFIX}/current"))
+
+    def join(self, attempt: int) -> Membership | None:
+        """Register for ``attempt`` and return this node's place in it (None: not admitted)."""
+        if self.coordinator:
+            self.store.set(f"{PREFIX}/current", str(attempt))
+        base = f"{PREFIX}/{attempt}"
+        arrival = self.store.add(f"{base}/arrivals", 1)
+        self.store.set(f"{base}/arrival/{arrival}",
+                       json.dumps({"node": self.node_id, "nproc": self.nproc, "token": self.token}))
+        if self.coordinator:
+            self._decide(attempt)
+        else:
+            self._wait_for(f"{base}/members", self.timeout + self.join_timeout, f"node 0 to start attempt {attempt}")
+        members = json.loads(self.store.get(f"{base}/members"))
+        if "error" in members:
+            raise ValueError(members["error"])
+        mine = [i for i, m in enumerate(members["nodes"]) if m["token"] == self.token]
+        if not mine:
+            return None
+        index = mine[0]
+        nodes = tuple(m["node"] for m in members["nodes"])
+        return Membership(node_rank=index, rank_base=sum(m["nproc"] for m in members["nodes"][:index]),
+                          num_nodes=len(nodes), world_size=sum(m["nproc"] for m in members["nodes"]), nodes=nodes)
+
+    def _arrivals(self, base: str) -> list[dict]:
+        count = int(self.store.add(f"{base}/arrivals", 0))
+        found = []
+        for i in range(1, count + 1):
+            name = f"{base}/arrival/{i}"
+            if self.store.check([name]):  # an arrival number is taken just before its entry is written
+                found.append(json.loads(self.store.get(name)))
+        return found
+
+    def _decide(self, attempt: int) -> None:
+        """Node 0: wait for the nodes of ``attempt``, then write who takes part."""
+        base = f"{PREFIX}/{attempt}"
+        t0 = time.monotonic()
+        while True:
+            self.interrupted()
+            arrived = self._arrivals(base)
+            waited = time.monotonic() - t0
+            distinct = {a["node"] for a in arrived}
+            if len(distinct) >= self.max_nodes or (len(distinct) >= self.min_nodes and waited >= self.join_timeout):
+                break
+            if waited >= max(self.timeout, self.join_timeout):
+                error = (f"only {len(distinct)} node(s) joined attempt {attempt} within {waited:.0f}s, fewer than "
+                         f"the {self.min_nodes} that --nnodes {self.min_nodes}:{self.max_nodes} needs")
+                self.store.set(f"{base}/members", json.dumps({"error": error}))
+                raise ValueError(error)
+            time.sleep(_POLL_S)
+        chosen, seen = [], {}
+        for a in sorted(arrived, key=lambda a: a["node"]):
+            if a["node"] in seen:
+                self.log(f"dptrain run: two launchers use --node-rank {a['node']}; the second is left out "
+                         f"(give every node its own --node-rank)")
+                continue
+            seen[a["node"]] = a
+            chosen.append(a)
+        chosen = chosen[: self.max_nodes]
+        self.store.set(f"{base}/members", json.dumps({"nodes": chosen}))
+        nodes = tuple(a["node"] for a in chosen)
+        if nodes != self.last_nodes and (self.last_nodes is not None or len(nodes) < self.max_nodes):
+            gone = sorted(set(self.last_nodes or ()) - set(nodes))
+            why = f"; node(s) {', '.join(map(str, gone))} did not rejoin within {self.join_timeout:.0f}s" if gone else ""
+            self.log(f"dptrain run: attempt {attempt} runs on {len(nodes)} of at most {self.max_nodes} nodes "
+                     f"(node(s) {', '.join(map(str, nodes))}), {sum(a['nproc'] for a in chosen)} rank(s){why}")
+        self.last_nodes = nodes
+
+    # ---- waiting outside the job
+    def wait_for_next(self, attempt: int) -> bool:
+        """A node left out of ``attempt``: wait until it restarts (True) or the job ends (False)."""
+        self.log(f"dptrain run: node {self.node_id} was not admitted to attempt {attempt} (it started without "
+                 f"this node); waiting to join at the next restart")
+        while True:
+            self.interrupted()
+            try:
+                if self.store.check([DONE]):
+                    return False
+                if self.store.check([f"launcher/failed/{attempt}"]):
+                    return True
+            except Exception:  # noqa: BLE001 - node 0's store is gone: the job is over
+                return False
+            time.sleep(_POLL_S)
+
+    def finish(self) -> None:
+        """Node 0, at the end of the job: nodes still waiting to be admitted end too."""
+        try:
+            self.store.set(DONE, "1")
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+    def _wait_for(self, name: str, timeout: float, what: str) -> None:
+        t0 = time.monotonic()
+        while not self.store.check([name]):
+            self.interrupted()
+            if time.monotonic() - t0 > timeout:
+                raise ValueError(f"node {self.node_id} waited {timeout:.0f}s for {what}; is node 0's launcher "
+                                 f"running with the same --nnodes MIN:MAX?")
+            time.sleep(_POLL_S)
