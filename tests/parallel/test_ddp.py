@@ -69,8 +69,10 @@ def _assert_same(ours: dict, theirs: dict, exact: bool, label: str) -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{label}: {k}")
 
 
-def test_parity_bitwise_two_ranks():
-    results = run_ranks(_parity, 2, PARITY_CONFIGS, STEPS)
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
+def test_parity_bitwise_two_ranks(shm):
+    # One node: the shared-memory all-reduce is the default; DPTRAIN_SHM=0 is gloo's.
+    results = run_ranks(_parity, 2, PARITY_CONFIGS, STEPS, env={"DPTRAIN_SHM": shm})
     for rank_results in results:
         for cfg, (ours, theirs) in zip(PARITY_CONFIGS, rank_results):
             _assert_same(ours, theirs, exact=True, label=str(cfg))
