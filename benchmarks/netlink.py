@@ -236,11 +236,7 @@ class TwoNodeLink:
         self._procs = []
         if self._up:
             for ns in self.namespaces:
-                for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except (ProcessLookupError, ValueError):
-                        pass
+                _kill_namespace(ns)
                 _ip("netns", "del", ns, check=False)
             self._up = False
 
@@ -301,6 +297,26 @@ class TwoNodeLink:
         out = subprocess.run(["ip", "netns", "exec", self.namespaces[node], "tc", "-s", "qdisc", "show", "dev",
                               self.veths[node]], capture_output=True, text=True, timeout=30)
         return out.stdout.strip()
+
+
+def _kill_namespace(ns: str, wait_s: float = 10.0) -> None:
+    """SIGKILL every process in ``ns`` and wait until the namespace lists none.
+
+    SIGKILL is delivered asynchronously: a process can still be exiting when ``kill`` returns,
+    and a rank forked in the meantime would be missed, so this repeats until the list is empty
+    (an exited process leaves the list at once, even while it waits, a zombie, to be reaped).
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = _ip("netns", "pids", ns, check=False).stdout.split()
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        time.sleep(0.05)
 
 
 def _signal_group(pid: int, sig: int) -> None:
