@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -89,7 +90,7 @@ class OptimizerOverlap:
         self._layout: tuple = ()
         self._stepped: list[tuple[nn.Parameter, torch.Tensor, int]] = []  # (param, its grad, grad version)
         self._original_step: Callable = optimizer.step
-        optimizer.step = types.MethodType(_overlapped_step, optimizer)  # a bound method: LR schedulers wrap it
+        optimizer.step = _step_replacement(optimizer)
         optimizer._dptrain_overlap = self
 
     def detach(self) -> None:
@@ -177,6 +178,31 @@ class OptimizerOverlap:
             "the global norm needs every gradient before any parameter moves: pass overlap_optimizer=None to clip, "
             "or do not change gradients between backward and optimizer.step()"
         )
+
+
+def _step_replacement(optimizer: torch.optim.Optimizer) -> Callable:
+    """What ``optimizer.step`` becomes.
+
+    Normally a bound method: an LR scheduler built afterwards wraps it as it wraps any
+    optimizer's ``step``. A scheduler built *before* the DDP has already wrapped the original
+    and, on every ``scheduler.step()``, checks that ``optimizer.step`` still carries its
+    ``_wrapped_by_lr_sched`` mark and that the step set ``optimizer._opt_called``; replacing
+    it with a plain method would make it warn "optimizer.step() has been overridden" each
+    time. So the replacement then keeps the mark and records the call itself (the user's
+    call may step nothing through the original when every parameter sits in a bucket).
+    """
+    if not getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        return types.MethodType(_overlapped_step, optimizer)
+    owner = weakref.ref(optimizer)  # no cycle through the instance attribute
+
+    def step(closure: Callable | None = None) -> Any:
+        opt = owner()
+        opt._opt_called = True
+        return _overlapped_step(opt, closure)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    step.__wrapped__ = _overlapped_step  # type: ignore[attr-defined]
+    return step
 
 
 def _overlapped_step(optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:

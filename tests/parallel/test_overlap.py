@@ -123,3 +123,28 @@ def test_unsupported_optimizers_are_refused():
         _overlap.check_optimizer(torch.optim.LBFGS(params))
     with pytest.raises(TypeError, match="must be a torch.optim.Optimizer"):
         _overlap.check_optimizer("adam")
+
+
+def _scheduler_first(rank):
+    import warnings
+
+    net = _model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # wraps opt.step before DDP does
+    model = dptrain.DDP(net, overlap_optimizer=opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            F.mse_loss(model(torch.randn(4, 20)), torch.zeros(4, 6)).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    return [str(w.message) for w in caught], opt.param_groups[0]["lr"]
+
+
+def test_a_scheduler_built_before_ddp_does_not_warn():
+    # torch's LR scheduler marks the optimizer's step it wrapped and warns "optimizer.step() has
+    # been overridden" on every scheduler.step() once the mark is gone.
+    for messages, lr in run_ranks(_scheduler_first, 2):
+        assert messages == []
+        assert lr == 0.1 * 0.5**3
