@@ -155,11 +155,19 @@ class NonFiniteGuard(Callback):
             return
         newest = trainer.checkpointer.newest()
         why = f" ({self.consecutive} steps in a row)" if self.policy == "skip" else ""
+        if getattr(trainer.strategy, "steps_in_backward", False):
+            # overlap_optimizer stepped each bucket during backward: the weights in memory took
+            # this update already; what is on disk was written before and is finite.
+            kept = (f"the newest checkpoint {newest!r} is finite (written before this step)" if newest else
+                    "no checkpoint was written")
+            stopping = f"stopping; overlap_optimizer applied this step's update during backward, {kept}"
+        else:
+            kept = f"the weights and the newest checkpoint {newest!r} are" if newest else "the weights are"
+            stopping = f"stopping before the optimizer step, so {kept} still finite"
         raise NonFiniteError(
-            f"rank {trainer.rank}: {step.describe()}{why}; stopping before the optimizer step, so the weights"
-            f"{' and the newest checkpoint ' + repr(newest) + ' are' if newest else ' are'} still finite. Lower the "
-            f"learning rate, clip gradients (TrainerConfig(max_grad_norm=...)), check the data of those ranks, or "
-            f"pass TrainerConfig(nan_policy='skip') to drop such steps"
+            f"rank {trainer.rank}: {step.describe()}{why}; {stopping}. Lower the learning rate, clip gradients "
+            f"(TrainerConfig(max_grad_norm=...)), check the data of those ranks, or pass "
+            f"TrainerConfig(nan_policy='skip') to drop such steps"
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -25,6 +25,16 @@ class TrainerConfig:
         zero_stage: 1 shards the optimizer state (ZeRO-1) under DDP: the same as
             ``strategy="zero"``. Passing a :class:`dptrain.ZeroRedundancyOptimizer` does it
             too. Default 0.
+        compression: gradient compression of dptrain's DDP (strategies ``"ddp"`` and
+            ``"zero"``): ``"auto"`` (measured in the first steps, on only where it pays, e.g.
+            across nodes on a slow link), ``"bf16"``, ``"fp16"`` or ``"powersgd"``; see
+            :class:`dptrain.DDP`. Default None: full-precision all-reduce. Ignored on one process.
+        overlap_optimizer: step each gradient bucket's parameters as soon as its all-reduce
+            completes, during backward (strategy ``"ddp"``; SGD, Adam, AdamW and the other
+            per-parameter optimizers; bitwise the same update). Cannot be combined with
+            ``max_grad_norm`` (the global norm needs every gradient first), fp16 AMP (the
+            scaler unscales gradients before the step) or ``nan_policy="skip"`` (the update
+            is applied before the check). Default False. Ignored on one process.
         batch_size: per-rank batch size, used only when datasets (not loaders) are given.
         eval_batch_size: per-rank batch size for dev/test datasets. Default: ``batch_size``.
         num_workers: DataLoader workers when the Trainer builds the loaders. Default 0.
@@ -97,6 +107,8 @@ class TrainerConfig:
 
     strategy: str | None = None
     zero_stage: int = 0
+    compression: str | None = None
+    overlap_optimizer: bool = False
     batch_size: int | None = None
     eval_batch_size: int | None = None
     num_workers: int = 0
@@ -139,6 +151,7 @@ class TrainerConfig:
                 f"TrainerConfig(zero_stage={self.zero_stage!r}) must be 0 or 1 (stage 2 and 3 shard gradients and "
                 f"parameters too: use strategy='fsdp')"
             )
+        self._check_ddp_extensions()
         for name in ("batch_size", "eval_batch_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -181,6 +194,39 @@ class TrainerConfig:
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"TrainerConfig(seed={self.seed!r}) must be an integer")
+
+    def _check_ddp_extensions(self) -> None:
+        """``compression`` and ``overlap_optimizer``: what DDP can do, set where the Trainer manages it."""
+        from dptrain.parallel._compression import CHOICES
+
+        for name in ("compression", "overlap_optimizer"):
+            if name in self.ddp_kwargs:
+                raise ValueError(
+                    f"TrainerConfig(ddp_kwargs={{{name!r}: ...}}): set TrainerConfig({name}=...) instead; the Trainer "
+                    f"builds the optimizer and passes it to DDP itself"
+                )
+        if self.compression is not None and self.compression not in CHOICES:
+            raise ValueError(f"TrainerConfig(compression={self.compression!r}) must be one of {list(CHOICES)} or None")
+        wanted = [n for n in ("compression", "overlap_optimizer") if getattr(self, n)]
+        ddp_only = ("ddp",) if self.overlap_optimizer else ("ddp", "zero")
+        if wanted and self.strategy is not None and self.strategy not in ddp_only:
+            raise ValueError(
+                f"TrainerConfig({wanted[-1]}=...) needs dptrain's DDP, but strategy={self.strategy!r}; use "
+                f"strategy={ddp_only[0]!r} (or None, which picks it on several processes)"
+            )
+        if not self.overlap_optimizer:
+            return
+        clash = (
+            "zero_stage=1 (ZeRO-1 steps whole shards after the all-reduce)" if self.zero_stage else
+            f"max_grad_norm={self.max_grad_norm} (clipping needs the global norm of every gradient first)"
+            if self.max_grad_norm is not None else
+            "amp=True with amp_dtype='float16' (the scaler unscales the gradients before the step)"
+            if self.amp and self.amp_dtype == "float16" else
+            "nan_policy='skip' (the update is applied during backward, before the check)"
+            if self.nan_policy == "skip" else None
+        )  # fmt: skip
+        if clash:
+            raise ValueError(f"TrainerConfig(overlap_optimizer=True) cannot be combined with {clash}; drop one of them")
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as plain values (what checkpoints and TensorBoard's hparams store)."""

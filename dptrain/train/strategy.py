@@ -43,9 +43,12 @@ class Strategy:
     #: Evaluation forwards communicate, so every rank must run the same number of them.
     lockstep_eval = False
 
-    def __init__(self, device: torch.device, config_kwargs: dict | None = None) -> None:
+    def __init__(self, device: torch.device, config_kwargs: dict | None = None, overlap_optimizer: bool = False) -> None:
         self.device = device
         self.kwargs = dict(config_kwargs or {})
+        #: The optimizer steps each bucket during backward (DDP's ``overlap_optimizer``): by the
+        #: time the Trainer looks at the loss, the update has been applied.
+        self.steps_in_backward = overlap_optimizer
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, str):
@@ -62,6 +65,11 @@ class Strategy:
         return f"<dptrain strategy {self.name!r}>"
 
     # -- building ---------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: Any, world_size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The wrapped model and its optimizer (``optimizer``: an instance or a factory)."""
+        wrapped = self.wrap(model, world_size)
+        return wrapped, self.build_optimizer(optimizer, wrapped)
+
     def wrap(self, model: nn.Module, world_size: int) -> nn.Module:
         if world_size > 1:
             _warn_once_main(
@@ -118,6 +126,16 @@ class Strategy:
 
 class _DDPStrategy(Strategy):
     name = "ddp"
+
+    def prepare(self, model: nn.Module, optimizer: Any, world_size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if not self.steps_in_backward:
+            return super().prepare(model, optimizer, world_size)
+        from dptrain.parallel.ddp import DistributedDataParallel
+
+        # DDP steps the optimizer from its backward hooks, so it needs the optimizer first; the
+        # wrapper holds the model's own parameters, so one built over the bare model is the same.
+        built = self.build_optimizer(optimizer, model)
+        return DistributedDataParallel(model, device_ids=self._device_ids(), overlap_optimizer=built, **self.kwargs), built
 
     def wrap(self, model: nn.Module, world_size: int) -> nn.Module:
         from dptrain.parallel.ddp import DistributedDataParallel
@@ -231,7 +249,13 @@ def make_strategy(name: str | None, world_size: int, device: torch.device, confi
             f"(or 'ddp' with zero_stage=1){' -- FSDP shards it already' if name == 'fsdp' else ''}"
         )
     kwargs = config.fsdp_kwargs if name == "fsdp" else config.ddp_kwargs if name in ("ddp", "torch-ddp", "zero") else {}
-    return _STRATEGY_TYPES[name](device, kwargs)
+    # Compression and the optimizer overlap concern dptrain's DDP only (the config refuses the
+    # other strategies); on one process ("none", picked automatically) there is nothing to do.
+    compression = getattr(config, "compression", None)
+    if compression is not None and name in ("ddp", "zero"):
+        kwargs = {**kwargs, "compression": compression}
+    overlap = bool(getattr(config, "overlap_optimizer", False)) and name == "ddp"
+    return _STRATEGY_TYPES[name](device, kwargs, overlap)
 
 
 def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:

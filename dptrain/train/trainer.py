@@ -124,8 +124,7 @@ class Trainer:
         self.dev_loader = self._loader(dev_data, "eval") if dev_data is not None else None
         self.test_loader = self._loader(test_data, "eval") if test_data is not None else None
 
-        self.model = self.strategy.wrap(model.to(self.device), self.world.world_size)
-        self.optimizer = self.strategy.build_optimizer(optimizer, self.model)
+        self.model, self.optimizer = self.strategy.prepare(model.to(self.device), optimizer, self.world.world_size)
         self.scheduler = build_scheduler(scheduler, self.optimizer)
         self._setup_amp()
 
