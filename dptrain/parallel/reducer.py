@@ -138,15 +138,7 @@ class Reducer:
         self._new_limits: list[int] | None = None  # see set_bucket_limits
         self._sizes = [p.numel() * p.element_size() for p in self.params]
         self._keys = [(p.dtype, p.device) for p in self.params]
-        if self.find_unused_parameters:
-            # Never rebuilt (see [Note: bucket rebuild]): PyTorch's layout for this case, filled
-            # in registration order so that the small first-limit bucket holds the first
-            # layers, whose gradients come last, and launched from the last layers on.
-            order = range(len(self.params))
-            assignment = compute_bucket_assignment(self._sizes, self._keys, self.bucket_limits, order)[::-1]
-        else:
-            assignment = compute_bucket_assignment(self._sizes, self._keys, self.bucket_limits)
-        self._init_buckets(assignment)
+        self._init_buckets(self._initial_assignment())
         self.comm_hook: Callable | None = None
         self.comm_hook_state: Any = None
         # Optional, set by DistributedDataParallel (see [Note: observers of a backward]).
@@ -154,8 +146,28 @@ class Reducer:
         self.on_bucket_reduced: Callable[[list[torch.nn.Parameter]], None] | None = None
         self.num_iterations = 0  # synced backward passes so far
         self._rebuild = BucketRebuild(len(self.params), never=self.find_unused_parameters)
+        self._init_backward_state()
 
-        # Per-iteration state, reset by prepare_for_backward().
+        # See [Note: which backward is ours]: the sink's input that tells a training backward.
+        self.anchor, self.anchor_node = new_anchor(self.params[0].device)
+
+        self_ref = weakref.ref(self)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(_make_hook(self_ref, i)) for i, p in enumerate(self.params)
+        ]
+
+    def _initial_assignment(self) -> list[list[int]]:
+        """The buckets before any backward: reverse registration order, as PyTorch's."""
+        if self.find_unused_parameters:
+            # Never rebuilt (see [Note: bucket rebuild]): PyTorch's layout for this case, filled
+            # in registration order so that the small first-limit bucket holds the first
+            # layers, whose gradients come last, and launched from the last layers on.
+            order = range(len(self.params))
+            return compute_bucket_assignment(self._sizes, self._keys, self.bucket_limits, order)[::-1]
+        return compute_bucket_assignment(self._sizes, self._keys, self.bucket_limits)
+
+    def _init_backward_state(self) -> None:
+        """The per-backward fields (reset by prepare_for_backward) and what is learnt across them."""
         self.phase = BackwardPhase.IDLE
         self._pending: list[int] = []
         self._ready = bytearray(len(self.params))
@@ -177,14 +189,6 @@ class Reducer:
         self._static_counts: list[int] | None = None
         self._static_remaining: list[int] = []
         self._hook_counts: list[int] = []
-
-        # See [Note: which backward is ours]: the sink's input that tells a training backward.
-        self.anchor, self.anchor_node = new_anchor(self.params[0].device)
-
-        self_ref = weakref.ref(self)
-        self._handles = [
-            p.register_post_accumulate_grad_hook(_make_hook(self_ref, i)) for i, p in enumerate(self.params)
-        ]
 
     def __del__(self) -> None:
         for h in getattr(self, "_handles", ()):
