@@ -233,6 +233,10 @@ class TwoNodeLink:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _signal_group(p.pid, signal.SIGKILL)
+                try:
+                    p.wait(timeout=10)  # reap it: an unreaped launcher lingers as our zombie child
+                except subprocess.TimeoutExpired:
+                    pass
         self._procs = []
         if self._up:
             for ns in self.namespaces:
