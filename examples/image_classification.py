@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_workers", type=int, default=0, help="DataLoader workers per process")
     p.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"],
                    help="mixed precision: bf16 (CPU or CUDA autocast) or fp16 (CUDA, with a gradient scaler)")
+    p.add_argument("--compression", default=None, choices=["auto", "bf16", "fp16", "powersgd"],
+                   help="gradient compression of dptrain's DDP, for slow links between nodes; 'auto' measures "
+                        "and keeps it only where it pays (default: none)")
     return p.parse_args(argv)
 
 
@@ -109,6 +112,7 @@ def main(argv=None) -> float:
         log_dir=args.log_dir,
         amp=args.amp != "none",
         amp_dtype="bfloat16" if args.amp == "bf16" else "float16",
+        compression=args.compression,
         export_safetensors=os.path.join(args.model_dir, os.path.splitext(args.model_filename)[0] + ".safetensors"),
     )
     trainer = dptrain.Trainer(

@@ -95,8 +95,8 @@ def test_image_classification_on_cifar_files(tmp_path):
     _fake_cifar(tmp_path / "cifar")
     lines = _launch(
         "image_classification.py", "--data-dir", str(tmp_path / "cifar"), "--num_epochs", "1", "--width", "4",
-        "--batch_size", "8", "--model_dir", str(tmp_path / "m"), cwd=str(tmp_path),
-    )
+        "--batch_size", "8", "--model_dir", str(tmp_path / "m"), "--compression", "bf16", cwd=str(tmp_path),
+    )  # --compression: the Trainer's setting reaches DDP under the launcher
     assert re.fullmatch(r"\[rank0\] test accuracy: \d\.\d{4}", lines[-1]), lines[-5:]
     weights = checkpoint.load(tmp_path / "m" / "resnet_distributed.pth")
     assert weights["conv1.weight"].shape == (4, 3, 3, 3)  # 3 input channels: CIFAR, not digits
