@@ -62,3 +62,50 @@ def test_a_zero_checkpoint_resumes_on_another_world_size(tmp_path):
 def test_zero_stage_is_validated():
     with pytest.raises(ValueError, match="zero_stage=2"):
         TrainerConfig(zero_stage=2)
+
+
+def _scheduled(rank, strategy):
+    import warnings
+
+    from torch import nn
+
+    from dptrain.data import prepare_dataloader
+    from dptrain.train import Trainer
+    from tests.test_trainer import _dataset, _model
+
+    dptrain.seed_everything(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # made on the optimizer given
+    t = Trainer(model, opt, prepare_dataloader(_dataset(96), 6, seed=3), nn.CrossEntropyLoss(),
+                TrainerConfig(strategy=strategy, verbose=False), scheduler=sched)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(3)
+    lrs = [g["lr"] for g in t.optimizer.param_groups]
+    return _params(t), lrs, t.scheduler.optimizer is t.optimizer, [str(w.message)[:80] for w in caught]
+
+
+def test_a_scheduler_made_on_the_given_optimizer_drives_the_sharded_one():
+    # "zero" steps a ZeroRedundancyOptimizer built from the given optimizer: the scheduler must
+    # follow it, or it decays the learning rate of an optimizer that is never stepped.
+    ddp = run_ranks(_scheduled, 2, "ddp")
+    zero = run_ranks(_scheduled, 2, "zero")
+    for (p_ddp, lr_ddp, _, _), (p_zero, lr_zero, moved, warned) in zip(ddp, zero):
+        assert lr_zero == lr_ddp == [0.05 * 0.5**3]
+        assert moved and warned == []
+        assert _same(p_zero, p_ddp)
+
+
+def test_a_scheduler_on_another_optimizer_is_refused():
+    from torch import nn
+
+    from dptrain.train import Trainer
+    from tests.test_trainer import _dataset, _model
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stray = torch.optim.SGD(_model().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"the scheduler \(StepLR\) adjusts an optimizer the Trainer does not step"):
+        Trainer(model, opt, _dataset(12), nn.CrossEntropyLoss(), TrainerConfig(batch_size=4, verbose=False),
+                scheduler=torch.optim.lr_scheduler.StepLR(stray, 1))

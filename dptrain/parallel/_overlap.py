@@ -184,24 +184,32 @@ def _step_replacement(optimizer: torch.optim.Optimizer) -> Callable:
     """What ``optimizer.step`` becomes.
 
     Normally a bound method: an LR scheduler built afterwards wraps it as it wraps any
-    optimizer's ``step``. A scheduler built *before* the DDP has already wrapped the original
-    and, on every ``scheduler.step()``, checks that ``optimizer.step`` still carries its
-    ``_wrapped_by_lr_sched`` mark and that the step set ``optimizer._opt_called``; replacing
-    it with a plain method would make it warn "optimizer.step() has been overridden" each
-    time. So the replacement then keeps the mark and records the call itself (the user's
-    call may step nothing through the original when every parameter sits in a bucket).
+    optimizer's ``step``. A scheduler built *before* the DDP has already wrapped the original;
+    the replacement then keeps its mark (see :func:`scheduler_tracked_step`).
     """
     if not getattr(optimizer.step, "_wrapped_by_lr_sched", False):
         return types.MethodType(_overlapped_step, optimizer)
+    return scheduler_tracked_step(optimizer, _overlapped_step)
+
+
+def scheduler_tracked_step(optimizer: torch.optim.Optimizer, step_fn: Callable) -> Callable:
+    """``step_fn(optimizer, closure)`` as an ``optimizer.step`` that LR schedulers accept.
+
+    A PyTorch LR scheduler wraps ``optimizer.step`` when it is built and, on every
+    ``scheduler.step()``, checks that ``optimizer.step`` still carries its
+    ``_wrapped_by_lr_sched`` mark (else it warns "optimizer.step() has been overridden") and
+    that a step set ``optimizer._opt_called`` (else it warns that the scheduler stepped
+    first). A step installed after the scheduler keeps both.
+    """
     owner = weakref.ref(optimizer)  # no cycle through the instance attribute
 
     def step(closure: Callable | None = None) -> Any:
         opt = owner()
         opt._opt_called = True
-        return _overlapped_step(opt, closure)
+        return step_fn(opt, closure)
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    step.__wrapped__ = _overlapped_step  # type: ignore[attr-defined]
+    step.__wrapped__ = step_fn  # type: ignore[attr-defined]
     return step
 
 

@@ -258,11 +258,42 @@ def make_strategy(name: str | None, world_size: int, device: torch.device, confi
     return _STRATEGY_TYPES[name](device, kwargs, overlap)
 
 
-def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
-    """A scheduler object, or a factory ``optimizer -> scheduler`` called on the built optimizer."""
-    if scheduler is None or hasattr(scheduler, "step"):
+def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, given: Any = None) -> Any:
+    """A scheduler object, or a factory ``optimizer -> scheduler`` called on the built optimizer.
+
+    ``given`` is the optimizer the user passed. A strategy may step another one built from it
+    (``"zero"`` shards it into a ZeroRedundancyOptimizer with the same groups); a scheduler
+    made on the given optimizer is then moved to the one that steps, or it would change the
+    learning rate of an optimizer that is never stepped.
+    """
+    if scheduler is None:
+        return None
+    if hasattr(scheduler, "step"):
+        bound = getattr(scheduler, "optimizer", None)
+        if bound is not None and bound is not optimizer:
+            if bound is not given or len(bound.param_groups) != len(optimizer.param_groups):
+                raise ValueError(
+                    f"the scheduler ({type(scheduler).__name__}) adjusts an optimizer the Trainer does not step; "
+                    f"build it on the optimizer passed to the Trainer, or pass a function optimizer -> scheduler"
+                )
+            _move_scheduler(scheduler, optimizer)
         return scheduler
     if callable(scheduler):
         return scheduler(optimizer)
     raise ValueError(f"scheduler must be an LR scheduler or a callable optimizer -> scheduler, got {type(scheduler).__name__}")
+
+
+def _move_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point ``scheduler`` at ``optimizer``, whose groups were copied from its old optimizer's.
+
+    The copies already hold what the scheduler wrote into the groups when it was built
+    (``initial_lr``, OneCycleLR's ``max_lr`` ...); its step tracking is installed on the new
+    optimizer as the scheduler would have done.
+    """
+    from dptrain.parallel._overlap import scheduler_tracked_step
+
+    scheduler.optimizer = optimizer
+    if not getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        original = type(optimizer).step
+        optimizer.step = scheduler_tracked_step(optimizer, lambda opt, closure: original(opt, closure))
 

@@ -125,7 +125,7 @@ class Trainer:
         self.test_loader = self._loader(test_data, "eval") if test_data is not None else None
 
         self.model, self.optimizer = self.strategy.prepare(model.to(self.device), optimizer, self.world.world_size)
-        self.scheduler = build_scheduler(scheduler, self.optimizer)
+        self.scheduler = build_scheduler(scheduler, self.optimizer, given=optimizer)
         self._setup_amp()
 
         self.state = TrainState(self.device)
