@@ -102,25 +102,26 @@ def test_nan_with_the_overlap_says_the_update_was_applied_and_keeps_the_checkpoi
     assert all(torch.isfinite(v).all() for v in checkpoint.load(kept[0])["model"].values() if v.is_floating_point())
 
 
-def _overlap_resume(rank, cdir):
+def _resume(rank, cdir, settings):
     import os
 
     import dptrain
 
-    full = _trainer(cdir, overlap_optimizer=True, steps=5)
+    full = _trainer(cdir, steps=5, **settings)
     full.fit(2)
     if rank == 0:  # resume from the mid-epoch checkpoint of step 5 (8 steps per epoch): one rank
         for path in checkpoint.list_checkpoints(cdir)[1:]:  # deletes the later ones
             os.remove(path)
     dptrain.comm.barrier()
-    again = _trainer(cdir, resume="auto", overlap_optimizer=True, steps=5)
+    again = _trainer(cdir, resume="auto", steps=5, **settings)
     assert again.global_step == 5
     again.fit(2)
     return _params(full), _params(again)
 
 
-def test_overlap_optimizer_resumes_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("settings", [{"overlap_optimizer": True}, {"compression": "bf16"}], ids=["overlap", "bf16"])
+def test_overlap_and_bf16_resume_bit_for_bit(tmp_path, settings):
     # Loading a checkpoint replaces the optimizer's state dict; the per-bucket steps must use
-    # the loaded state, not the fresh one they were built with.
-    for full, again in run_ranks(_overlap_resume, 2, str(tmp_path / "ck")):
+    # the loaded state, not the fresh one they were built with. bf16 compression has no state.
+    for full, again in run_ranks(_resume, 2, str(tmp_path / "ck"), settings):
         assert _same(full, again)
