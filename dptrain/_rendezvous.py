@@ -12,7 +12,7 @@ import time
 from dptrain._errors import RankFailedError
 from dptrain._heartbeat import describe_exit
 
-__all__ = ["RankFailedError", "free_port", "rank_environ", "describe_exit", "stop_processes"]
+__all__ = ["RankFailedError", "free_port", "rank_environ", "describe_exit", "stop_processes", "exit_barrier"]
 
 #: Seconds between TERM and KILL when stopping ranks.
 GRACE_S = 3.0
@@ -41,6 +41,45 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def exit_barrier(store, prefix: str, num_nodes: int, host: bool, timeout_s: float, report_s: float,
+                 log, peer_failure, check_signals) -> str | None:
+    """This node's ranks all finished: count it, and on node 0 keep the store up until every node has.
+
+    Node 0's launcher hosts the store. Were it to close it as soon as its own ranks are done,
+    a node whose ranks are still finishing (flushing output, leaving the process group) would
+    find the store gone, take that for node 0's failure and stop them: a run that succeeded
+    would end with an error. torchrun's agents wait at a barrier of the same kind. Node 0
+    waits at most ``timeout_s`` (a node whose launcher died never reports), says every
+    ``report_s`` what it waits for, and returns a failure another node reported meanwhile.
+    """
+    if num_nodes <= 1:
+        return None
+    counter = f"{prefix}/nodes_finished"
+    try:
+        done = store.add(counter, 1)
+    except Exception:  # noqa: BLE001 - node 0's store is gone: nobody is left to wait for us
+        return None
+    t0 = time.monotonic()
+    next_report = t0 + report_s
+    while host and done < num_nodes:
+        check_signals()
+        why = peer_failure()
+        if why:
+            return why
+        now = time.monotonic()
+        if now - t0 > timeout_s:
+            log(f"dptrain run: {num_nodes - done} node(s) did not report their ranks finished within "
+                f"{timeout_s:.0f}s; closing the rendezvous store")
+            break
+        if now >= next_report:
+            log(f"dptrain run: the ranks of this node have finished; keeping the rendezvous store up until "
+                f"every node's have ({done} of {num_nodes} nodes done)")
+            next_report = now + report_s
+        time.sleep(0.05)
+        done = store.add(counter, 0)
+    return None
 
 
 class _StoreServer:

@@ -35,6 +35,7 @@ from dptrain._rendezvous import (
     _iface_towards,
     _loopback_ifname,
     _StoreServer,
+    exit_barrier,
     free_port,
     rank_environ,
     stop_processes,
@@ -614,6 +615,10 @@ def _run_attempts(job: _Job) -> int:
             continue
         job.start(attempt)
         failed, peer = job.watch(attempt)
+        if not (signals.received or failed or peer):
+            peer = exit_barrier(job.store, keys_prefix(attempt), job.layout.num_nodes, job.server is not None,
+                                config.timeout or DEFAULT_TIMEOUT_S, WAIT_REPORT_S, job.log,
+                                lambda: job._peer_failure(attempt), job._check_signals)
         if signals.received or (failed is None and peer is None):
             break
         code = job.report_failure(attempt, failed, peer)

@@ -57,10 +57,10 @@ def two_nodes():
             _sh("ip", "netns", "del", n)
 
 
-def _launch(ns, node_rank, port, nproc=1):
+def _launch(ns, node_rank, port, nproc=1, script=SCRIPT):
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dptrain", "run", "--nnodes", "2",
            "--node-rank", str(node_rank), "--nproc-per-node", str(nproc), "--master-addr", ADDR[0],
-           "--master-port", str(port), "--timeout", "30", SCRIPT]
+           "--master-port", str(port), "--timeout", "30", script]
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
@@ -88,3 +88,23 @@ def test_two_namespace_nodes_train_like_one_node(two_nodes):
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert single.returncode == 0, single.stderr
     assert len(multi) == 1 and multi == _digests(single.stdout)
+
+
+def test_node_0_keeps_the_store_up_until_every_node_has_finished(two_nodes):
+    # Node 0's launcher hosts the store. It used to close it as soon as its own rank exited;
+    # node 1, whose rank was still finishing, then found the store gone, stopped its rank as if
+    # node 0 had failed, and exited 1 after a successful run.
+    script = os.path.join(ROOT, "tests", "scripts", "late_finisher.py")
+    nodes = [_launch(two_nodes[0], 0, 29613, script=script), _launch(two_nodes[1], 1, 29613, script=script)]
+    outs = []
+    for p in nodes:
+        try:
+            outs.append(p.communicate(timeout=120))
+        except subprocess.TimeoutExpired:
+            for q in nodes:
+                q.kill()
+            raise
+    for p, (out, err) in zip(nodes, outs):
+        assert p.returncode == 0, err
+    assert "[rank0] rank 0 finished, sum 2" in outs[0][0] and "[rank1] rank 1 finished, sum 2" in outs[1][0]
+    assert "unreachable" not in outs[1][1]
