@@ -293,6 +293,8 @@ def _move_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     from dptrain.parallel._overlap import scheduler_tracked_step
 
     scheduler.optimizer = optimizer
+    for inner in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
+        inner.optimizer = optimizer
     if not getattr(optimizer.step, "_wrapped_by_lr_sched", False):
         original = type(optimizer).step
         optimizer.step = scheduler_tracked_step(optimizer, lambda opt, closure: original(opt, closure))
