@@ -21,6 +21,7 @@ from tests.test_trainer_edges import _PoisonAt
     "kwargs, match",
     [
         ({"compression": "int8"}, r"compression='int8'.*'auto', 'bf16', 'fp16', 'powersgd'"),
+        ({"overlap_optimizer": "yes"}, r"overlap_optimizer='yes'\) must be True or False"),
         ({"compression": "bf16", "strategy": "fsdp"}, r"compression=.*strategy='fsdp'; use strategy='ddp'"),
         ({"compression": "auto", "strategy": "torch-ddp"}, r"strategy='torch-ddp'"),
         ({"overlap_optimizer": True, "strategy": "zero"}, r"overlap_optimizer=.*strategy='zero'; use strategy='ddp'"),

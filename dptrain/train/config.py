@@ -205,6 +205,8 @@ class TrainerConfig:
                     f"TrainerConfig(ddp_kwargs={{{name!r}: ...}}): set TrainerConfig({name}=...) instead; the Trainer "
                     f"builds the optimizer and passes it to DDP itself"
                 )
+        if not isinstance(self.overlap_optimizer, bool):
+            raise ValueError(f"TrainerConfig(overlap_optimizer={self.overlap_optimizer!r}) must be True or False")
         if self.compression is not None and self.compression not in CHOICES:
             raise ValueError(f"TrainerConfig(compression={self.compression!r}) must be one of {list(CHOICES)} or None")
         wanted = [n for n in ("compression", "overlap_optimizer") if getattr(self, n)]
