@@ -65,13 +65,8 @@ def _launch(ns, node_rank, port, nproc=1, script=SCRIPT):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
 
-def _digests(stdout: str) -> set[str]:
-    return {line.rsplit("digest ", 1)[1] for line in stdout.splitlines() if "digest" in line}
-
-
-def test_two_namespace_nodes_train_like_one_node(two_nodes):
-    port = 29611
-    nodes = [_launch(two_nodes[0], 0, port), _launch(two_nodes[1], 1, port)]
+def _run_both(nodes) -> list[tuple[str, str]]:
+    """(stdout, stderr) of each node's launcher, after checking that each exited 0."""
     outs = []
     for p in nodes:
         try:
@@ -82,6 +77,16 @@ def test_two_namespace_nodes_train_like_one_node(two_nodes):
             raise
     for p, (out, err) in zip(nodes, outs):
         assert p.returncode == 0, err
+    return outs
+
+
+def _digests(stdout: str) -> set[str]:
+    return {line.rsplit("digest ", 1)[1] for line in stdout.splitlines() if "digest" in line}
+
+
+def test_two_namespace_nodes_train_like_one_node(two_nodes):
+    port = 29611
+    outs = _run_both([_launch(two_nodes[0], 0, port), _launch(two_nodes[1], 1, port)])
     assert "[rank0] rank 0 world 2" in outs[0][0] and "[rank1] rank 1 world 2" in outs[1][0]
     multi = _digests(outs[0][0]) | _digests(outs[1][0])
     single = subprocess.run([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", SCRIPT],
@@ -95,16 +100,6 @@ def test_node_0_keeps_the_store_up_until_every_node_has_finished(two_nodes):
     # node 1, whose rank was still finishing, then found the store gone, stopped its rank as if
     # node 0 had failed, and exited 1 after a successful run.
     script = os.path.join(ROOT, "tests", "scripts", "late_finisher.py")
-    nodes = [_launch(two_nodes[0], 0, 29613, script=script), _launch(two_nodes[1], 1, 29613, script=script)]
-    outs = []
-    for p in nodes:
-        try:
-            outs.append(p.communicate(timeout=120))
-        except subprocess.TimeoutExpired:
-            for q in nodes:
-                q.kill()
-            raise
-    for p, (out, err) in zip(nodes, outs):
-        assert p.returncode == 0, err
+    outs = _run_both([_launch(two_nodes[0], 0, 29613, script=script), _launch(two_nodes[1], 1, 29613, script=script)])
     assert "[rank0] rank 0 finished, sum 2" in outs[0][0] and "[rank1] rank 1 finished, sum 2" in outs[1][0]
     assert "unreachable" not in outs[1][1]
