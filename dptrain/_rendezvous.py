@@ -4,6 +4,7 @@ network-interface choice, and how a rank's exit is described."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import socket
@@ -12,7 +13,8 @@ import time
 from dptrain._errors import RankFailedError
 from dptrain._heartbeat import describe_exit
 
-__all__ = ["RankFailedError", "free_port", "rank_environ", "describe_exit", "stop_processes", "exit_barrier"]
+__all__ = ["RankFailedError", "free_port", "rank_environ", "describe_exit", "stop_processes", "exit_barrier", "omp_threads",
+           "read_error_file", "auto_node_rank"]
 
 #: Seconds between TERM and KILL when stopping ranks.
 GRACE_S = 3.0
@@ -80,6 +82,50 @@ def exit_barrier(store, prefix: str, num_nodes: int, host: bool, timeout_s: floa
         time.sleep(0.05)
         done = store.add(counter, 0)
     return None
+
+
+#: The counter that numbers the nodes of a launch without ``--node-rank`` (see auto_node_rank).
+ARRIVALS_KEY = "launcher/arrivals"
+
+
+def auto_node_rank(host: str, port: int, nnodes: int, timeout_s: float, log) -> int:
+    """This node's rank when none was given (``--rdzv-backend c10d``, as with torchrun).
+
+    Every node runs the same command. The node that owns the endpoint's address, and can
+    take its port, hosts the store: node 0. The others take 1, 2, ... in the order in which
+    they reach it, and keep that number for the whole job (restarts included). Waits for the
+    store like a node with an explicit rank, saying every 30 s what it waits for.
+    """
+    from dptrain._join import WAIT_REPORT_S, probe
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return 0
+        except OSError:
+            pass  # not an address of this machine, or another launcher here hosts already
+    t0 = time.monotonic()
+    next_report = t0 + WAIT_REPORT_S
+    while (why := probe(host, port, timeout_s=1.0)) is not None:
+        waited = time.monotonic() - t0
+        if waited >= timeout_s:
+            raise ValueError(f"could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s: {why}")
+        if time.monotonic() >= next_report:
+            next_report += WAIT_REPORT_S
+            log(f"dptrain run: waited {waited:.0f}s for the rendezvous at {host}:{port}: {why}. Is `dptrain run` "
+                f"running on the machine that owns {host}?")
+        time.sleep(0.5)
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
+    rank = store.add(ARRIVALS_KEY, 1)
+    if rank >= nnodes:
+        raise ValueError(
+            f"node {rank + 1} reached the rendezvous at {host}:{port}, but the job has --nnodes {nnodes}: start "
+            f"one launcher per node (or give each its --node-rank)"
+        )
+    return rank
 
 
 class _StoreServer:
@@ -215,3 +261,29 @@ def rank_environ(
         # for the failure report, as torchrun does.
         out["TORCHELASTIC_ERROR_FILE"] = os.path.join(error_dir, f"attempt_{restart_count}", str(rank), "error.json")
     return out
+
+
+def omp_threads(nproc: int) -> tuple[str | None, str | None]:
+    """torchrun's default: one OpenMP thread per core and rank, with the notice to print (or None)."""
+    if "OMP_NUM_THREADS" in os.environ or nproc <= 1:
+        return None, None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // nproc)
+    notice = (
+        f"dptrain run: OMP_NUM_THREADS={threads} for each of {nproc} ranks ({cores} cores / {nproc} ranks); "
+        f"set OMP_NUM_THREADS yourself to change it"
+    )
+    return str(threads), notice
+
+
+def read_error_file(path: str) -> str:
+    """The traceback a rank's ``@record`` handler wrote (torchrun's error-file format)."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return ""
+    message = data.get("message", {})
+    if isinstance(message, dict):
+        return str(message.get("extraInfo", {}).get("py_callstack") or message.get("message", ""))
+    return str(message)

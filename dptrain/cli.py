@@ -111,6 +111,8 @@ _RUN_EXAMPLES = """examples:
   # two machines (run on each, with node 0's address):
   dptrain run --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 train.py
   dptrain run --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 train.py
+  # or torchrun's way: the same command on every machine, nodes numbered as they arrive
+  dptrain run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 train.py
   # elastic: go on with at least 1 of 2 nodes when one is lost (the Trainer resumes on the smaller world)
   dptrain run --nnodes 1:2 --max-restarts 3 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
 
@@ -168,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(run, "--debug", action="store_true", help="cross-check every collective across ranks")
     _flag(run, "--profile", action="store_true",
           help="per-rank step report: the Trainer times data, forward, backward, exposed communication, optimizer")
+    _flag(run, "--rdzv-endpoint", default=None, metavar="HOST[:PORT]",
+          help="torchrun's spelling of --master-addr/--master-port (port default: 29400 with c10d, else 29500)")
+    _flag(run, "--rdzv-backend", default="static", choices=["static", "c10d"],
+          help="c10d: every node runs the same command without --node-rank; the node owning the endpoint's "
+               "address hosts the store and is node 0, the others are numbered as they arrive (default static)")
+    _flag(run, "--rdzv-id", default=None, help="the job's id, given to the ranks as TORCHELASTIC_RUN_ID")
     _flag(run, "--standalone", action="store_true", help="accepted for torchrun compatibility (single node)")
     _flag(run, "-m", "--module", action="store_true", help="run the program as a module (python -m)")
     run.add_argument("program", help="the training script (or module with -m)")
@@ -231,6 +239,34 @@ def _default_node_rank(nnodes: int) -> int:
     return 0
 
 
+def _rendezvous(ns: argparse.Namespace) -> tuple[str | None, int | None, int]:
+    """(master address, master port, node rank) from the flags, torchrun's rendezvous spellings included."""
+    addr, port = ns.master_addr, ns.master_port
+    if ns.rdzv_endpoint:
+        host, _, text = ns.rdzv_endpoint.rpartition(":") if ":" in ns.rdzv_endpoint else (ns.rdzv_endpoint, "", "")
+        try:
+            given = int(text) if text else (29400 if ns.rdzv_backend == "c10d" else 29500)
+        except ValueError:
+            raise ValueError(f"--rdzv-endpoint {ns.rdzv_endpoint!r}: the port must be a number, e.g. node0:29400") from None
+        if (addr and addr != host) or (port and port != given):
+            raise ValueError("--rdzv-endpoint and --master-addr/--master-port name different places; give one of them")
+        addr, port = host, given
+    nnodes = ns.nnodes[1]
+    if ns.node_rank is not None:
+        return addr, port, ns.node_rank
+    if ns.rdzv_backend == "c10d" and nnodes > 1:
+        if not addr or not port:
+            raise ValueError("--rdzv-backend c10d across nodes needs --rdzv-endpoint HOST:PORT (node 0's address)")
+        if ns.nnodes[0] is not None:
+            raise ValueError("elastic jobs (--nnodes MIN:MAX) number their nodes by --node-rank: give each node its own")
+        from dptrain._heartbeat import DEFAULT_TIMEOUT_S
+        from dptrain._rendezvous import auto_node_rank
+
+        log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        return addr, port, auto_node_rank(addr, port, nnodes, ns.timeout or DEFAULT_TIMEOUT_S, log)
+    return addr, port, _default_node_rank(nnodes)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dptrain`` console script."""
     ns = parse_args(argv)
@@ -238,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dptrain.launch import LaunchConfig, run_job
 
         try:
+            master_addr, master_port, node_rank = _rendezvous(ns)
             config = LaunchConfig(
                 program=ns.program,
                 args=list(ns.args),
@@ -245,9 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 nnodes=ns.nnodes[1],
                 min_nodes=ns.nnodes[0],
                 join_timeout=ns.join_timeout,
-                node_rank=ns.node_rank if ns.node_rank is not None else _default_node_rank(ns.nnodes[1]),
-                master_addr=ns.master_addr,
-                master_port=ns.master_port,
+                node_rank=node_rank,
+                master_addr=master_addr,
+                master_port=master_port,
+                run_id=ns.rdzv_id,
                 module=ns.module,
                 log_ranks=ns.log_ranks,
                 max_restarts=ns.max_restarts,

@@ -36,6 +36,8 @@ from dptrain._rendezvous import (
     _loopback_ifname,
     _StoreServer,
     exit_barrier,
+    omp_threads,
+    read_error_file,
     free_port,
     rank_environ,
     stop_processes,
@@ -57,7 +59,8 @@ class LaunchConfig:
     waits at each attempt for nodes beyond ``min_nodes``); plus ``log_ranks`` (ranks whose output is shown,
     None for all), ``max_restarts``, ``timeout`` (seconds for collectives), ``debug``,
     ``profile`` (the Trainer's per-rank step report), ``module`` (run ``python -m``),
-    ``program`` and ``args``.
+    ``program`` and ``args``; ``run_id`` (the ranks' ``TORCHELASTIC_RUN_ID``; None: inherited,
+    else random).
     """
 
     program: str
@@ -75,6 +78,7 @@ class LaunchConfig:
     profile: bool = False
     min_nodes: int | None = None
     join_timeout: float = 30.0
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -172,18 +176,6 @@ def _finish_output(ranks: Sequence[_RankProcess], timeout_s: float = 5.0) -> Non
         r.finish_output(deadline)
 
 
-def _omp_threads(nproc: int) -> tuple[str | None, str | None]:
-    if "OMP_NUM_THREADS" in os.environ or nproc <= 1:
-        return None, None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // nproc)
-    notice = (
-        f"dptrain run: OMP_NUM_THREADS={threads} for each of {nproc} ranks ({cores} cores / {nproc} ranks); "
-        f"set OMP_NUM_THREADS yourself to change it"
-    )
-    return str(threads), notice
-
-
 class _Interrupted(Exception):
     pass
 
@@ -226,19 +218,6 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-def _read_error_file(path: str) -> str:
-    """The traceback a rank's ``@record`` handler wrote (torchrun's error-file format)."""
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return ""
-    message = data.get("message", {})
-    if isinstance(message, dict):
-        return str(message.get("extraInfo", {}).get("py_callstack") or message.get("message", ""))
-    return str(message)
-
-
 class _Job:
     """One launcher's share of a job: its ranks, their restarts, and the shared store.
 
@@ -279,7 +258,7 @@ class _Job:
         except BaseException:
             self.close()
             raise
-        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+        self.run_id = config.run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
         self.stall_s = float(os.environ.get("DPTRAIN_STALL_REPORT_S", "60"))
         self.base_env = self._base_env()
         self.cmd = [sys.executable, "-u"] + (["-m", config.program] if config.module else [config.program])
@@ -365,7 +344,7 @@ class _Job:
     def _base_env(self) -> dict[str, str]:
         config = self.config
         env = dict(os.environ)
-        omp, notice = _omp_threads(config.nproc_per_node)
+        omp, notice = omp_threads(config.nproc_per_node)
         if notice:
             self.log(notice)
         if omp:
@@ -557,7 +536,7 @@ class _Job:
         self.log(f"dptrain run: {what}{stopping}")
         self.stop_all()
         if failed is not None:
-            tb = _read_error_file(os.path.join(self.error_dir, f"attempt_{attempt}", str(failed.rank), "error.json"))
+            tb = read_error_file(os.path.join(self.error_dir, f"attempt_{attempt}", str(failed.rank), "error.json"))
             tail = tb or "\n".join(failed.tail)
             if tail:
                 self.log(f"--- last lines of rank {failed.rank} ---\n{tail}\n---")

@@ -136,3 +136,32 @@ def test_env_report_lists_what_a_bug_report_needs(capsys, monkeypatch):
 def test_slurm_script_rejects_bad_input(args, message, capsys):
     assert main(["slurm-script", *args, "train.py"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--rdzv-endpoint", "10.0.0.1:1234", "--node-rank", "1", "--nnodes", "2"], ("10.0.0.1", 1234, 1)),
+        (["--rdzv-endpoint", "node0"], ("node0", 29500, 0)),  # torchrun's static default port
+        (["--rdzv_endpoint=node0", "--rdzv_backend=c10d"], ("node0", 29400, 0)),  # one node: rank 0
+        (["--master-addr", "h", "--master-port", "7", "--rdzv-endpoint", "h:7"], ("h", 7, 0)),
+    ],
+)
+def test_torchruns_rendezvous_flags(flags, expected):
+    from dptrain.cli import _rendezvous
+
+    assert _rendezvous(parse_args(["run", *flags, "t.py"])) == expected
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--rdzv-endpoint", "h:x"], "the port must be a number"),
+        (["--rdzv-endpoint", "h:1", "--master-port", "2"], "name different places"),
+        (["--rdzv-backend", "c10d", "--nnodes", "2"], "needs --rdzv-endpoint HOST:PORT"),
+        (["--rdzv-backend", "c10d", "--nnodes", "1:2", "--rdzv-endpoint", "h:1"], "give each node its own"),
+    ],
+)
+def test_torchruns_rendezvous_flags_refuse_what_cannot_work(flags, message, capsys):
+    assert main(["run", *flags, "t.py"]) == 2
+    assert message in capsys.readouterr().err

@@ -103,3 +103,19 @@ def test_node_0_keeps_the_store_up_until_every_node_has_finished(two_nodes):
     outs = _run_both([_launch(two_nodes[0], 0, 29613, script=script), _launch(two_nodes[1], 1, 29613, script=script)])
     assert "[rank0] rank 0 finished, sum 2" in outs[0][0] and "[rank1] rank 1 finished, sum 2" in outs[1][0]
     assert "unreachable" not in outs[1][1]
+
+
+def test_torchrun_c10d_style_the_same_command_on_every_node(two_nodes):
+    # torchrun's multi-node recipe: every node runs one identical command, without --node-rank.
+    # The node that owns the endpoint's address hosts the store and is node 0; the other is 1.
+    script = os.path.join(ROOT, "tests", "scripts", "late_finisher.py")
+    cmd = [sys.executable, "-m", "dptrain", "run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
+           "c10d", "--rdzv-endpoint", f"{ADDR[0]}:29614", "--rdzv-id", "job42", "--timeout", "30", script]
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env["LATE_S"] = "0"
+    # node 1 first: it waits for node 0's store, then takes the next number
+    nodes = [subprocess.Popen(["ip", "netns", "exec", ns] + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT, env=env) for ns in (two_nodes[1], two_nodes[0])][::-1]
+    outs = _run_both(nodes)
+    assert "[rank0] rank 0 finished, sum 2, run job42" in outs[0][0], outs[0]
+    assert "[rank1] rank 1 finished, sum 2, run job42" in outs[1][0], outs[1]

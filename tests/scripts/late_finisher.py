@@ -14,4 +14,5 @@ dptrain.comm.all_reduce(total)
 dptrain.shutdown()
 if int(os.environ["GROUP_RANK"]) != 0:
     time.sleep(float(os.environ.get("LATE_S", "3")))
-print(f"rank {os.environ['RANK']} finished, sum {int(total.item())}", flush=True)
+print(f"rank {os.environ['RANK']} finished, sum {int(total.item())}, run {os.environ['TORCHELASTIC_RUN_ID']}",
+      flush=True)
