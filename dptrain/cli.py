@@ -141,6 +141,28 @@ def _version() -> str:
         return __version__
 
 
+def _slurm_parser(sub, examples) -> argparse.ArgumentParser:
+    """``dptrain slurm-script``'s flags."""
+    slurm = sub.add_parser("slurm-script", help="write an sbatch file that runs a script with srun",
+                           description="Write an sbatch file: one task per rank with srun (or per node with --per-node), "
+                                       "requeued on preemption.", epilog=_SLURM_EXAMPLES, formatter_class=examples)
+    _flag(slurm, "--nodes", type=int, default=1, help="nodes to allocate (default 1)")
+    _flag(slurm, "--gpus-per-node", type=int, default=0, help="GPUs (and ranks) per node (default 0: CPU)")
+    _flag(slurm, "--ntasks-per-node", type=int, default=None, help="ranks per node (default: GPUs per node, or 1)")
+    _flag(slurm, "--cpus-per-task", type=int, default=4, help="CPU cores per rank (default 4)")
+    _flag(slurm, "--job-name", default="dptrain", help="job name (default dptrain)")
+    _flag(slurm, "--time", default="01:00:00", help="time limit (default 01:00:00)")
+    _flag(slurm, "--partition", default=None, help="partition to submit to")
+    _flag(slurm, "--per-node", action="store_true",
+          help="one srun task per node running `dptrain run` for its ranks (default: one task per rank)")
+    _flag(slurm, "--no-requeue", dest="requeue", action="store_false",
+          help="do not ask Slurm to requeue the job on preemption")
+    _flag(slurm, "-o", "--output", default=None, help="write here instead of printing")
+    slurm.add_argument("program", help="the training script")
+    slurm.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return slurm
+
+
 def build_parser() -> argparse.ArgumentParser:
     examples = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog="dptrain", description="Data-parallel training for PyTorch: launch, Slurm scripts, diagnostics.",
@@ -181,23 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("program", help="the training script (or module with -m)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
-    slurm = sub.add_parser("slurm-script", help="write an sbatch file that runs a script with srun",
-                           description="Write an sbatch file: one task per rank with srun (or per node with --per-node), "
-                                       "requeued on preemption.", epilog=_SLURM_EXAMPLES, formatter_class=examples)
-    _flag(slurm, "--nodes", type=int, default=1, help="nodes to allocate (default 1)")
-    _flag(slurm, "--gpus-per-node", type=int, default=0, help="GPUs (and ranks) per node (default 0: CPU)")
-    _flag(slurm, "--ntasks-per-node", type=int, default=None, help="ranks per node (default: GPUs per node, or 1)")
-    _flag(slurm, "--cpus-per-task", type=int, default=4, help="CPU cores per rank (default 4)")
-    _flag(slurm, "--job-name", default="dptrain", help="job name (default dptrain)")
-    _flag(slurm, "--time", default="01:00:00", help="time limit (default 01:00:00)")
-    _flag(slurm, "--partition", default=None, help="partition to submit to")
-    _flag(slurm, "--per-node", action="store_true",
-          help="one srun task per node running `dptrain run` for its ranks (default: one task per rank)")
-    _flag(slurm, "--no-requeue", dest="requeue", action="store_false",
-          help="do not ask Slurm to requeue the job on preemption")
-    _flag(slurm, "-o", "--output", default=None, help="write here instead of printing")
-    slurm.add_argument("program", help="the training script")
-    slurm.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    slurm = _slurm_parser(sub, examples)
     sub.add_parser("env", help="print what a bug report needs (versions, backends, GPUs, network, Slurm)",
                    description="Print dptrain, torch, Python, CUDA/NCCL versions, the backends, GPUs, cores, the "
                                "distributed environment variables, gloo's network interface, and whether shared "
