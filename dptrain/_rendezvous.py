@@ -1,4 +1,5 @@
-"""Pieces shared by both launchers: the rendezvous store, torchrun's worker environment,
+"""Pieces shared by both launchers: the rendezvous store (hosting it, numbering the nodes of a
+c10d-style launch, the exit barrier), torchrun's worker environment and defaults,
 network-interface choice, and how a rank's exit is described."""
 
 from __future__ import annotations
