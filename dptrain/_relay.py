@@ -177,8 +177,12 @@ class Relay:
     """
 
     def __init__(self, pipe: IO[bytes], rank: int, index: int, console: Console, show: bool,
-                 tail: collections.deque | None = None, every_s: float | None = None) -> None:
+                 tail: collections.deque | None = None, every_s: float | None = None,
+                 log_path: str | None = None) -> None:
         self._pipe = pipe
+        # ``--log-dir`` with ``--tee``/``--redirects``: every byte, as the rank wrote it, also
+        # goes to this file (carriage returns included, as a terminal would have received them).
+        self._log = open(log_path, "ab", buffering=0) if log_path else None
         self._rank = rank
         self._prefix = f"[rank{rank}] ".encode()
         # torch prints an uncaught exception in a rank as "[rank1]: Traceback ..."; under our
@@ -214,6 +218,7 @@ class Relay:
                 data = b""
             if not data:
                 break
+            self._write_log(data)
             try:
                 self._on_data(data)
             except Exception as exc:  # noqa: BLE001 - never stop reading: the rank would block
@@ -221,6 +226,19 @@ class Relay:
                 self._console.emit(self, 1, [self._prefix + f"(output no longer shown: {exc!r})".encode()])
         self._on_end()
         self._pipe.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _write_log(self, data: bytes) -> None:
+        if self._log is None:
+            return
+        try:
+            self._log.write(data)
+        except OSError as exc:  # a full disk must not stop the rank (its pipe would fill) or the console
+            self._log.close()
+            self._log = None
+            self._console.emit(self, 1, [self._prefix + f"(log file no longer written: {exc})".encode()])
 
     def _remember(self, lines: list[bytes]) -> None:
         if self.tail is not None:

@@ -15,7 +15,7 @@ from dptrain._errors import RankFailedError
 from dptrain._heartbeat import describe_exit
 
 __all__ = ["RankFailedError", "free_port", "rank_environ", "describe_exit", "stop_processes", "exit_barrier", "omp_threads",
-           "read_error_file", "auto_node_rank"]
+           "read_error_file", "auto_node_rank", "rank_log_files"]
 
 #: Seconds between TERM and KILL when stopping ranks.
 GRACE_S = 3.0
@@ -288,3 +288,27 @@ def read_error_file(path: str) -> str:
     if isinstance(message, dict):
         return str(message.get("extraInfo", {}).get("py_callstack") or message.get("message", ""))
     return str(message)
+
+
+def rank_log_files(base: str | None, run_id: str, attempt: int, local_rank: int, redirects, tee) -> list:
+    """torchrun's ``--log-dir``/``--redirects``/``--tee``: per stream (stdout, stderr) of one
+    rank, its log file (or None) and whether the console still shows it.
+
+    ``redirects`` and ``tee`` are 0-3 (1 stdout, 2 stderr, 3 both) for every local rank, or a
+    dict local rank -> 0-3. Files: ``<base>/<run_id>/attempt_<k>/<local_rank>/stdout.log``.
+    """
+    out = []
+    for bit, name in ((1, "stdout"), (2, "stderr")):
+        redirected = bool(_for_rank(redirects, local_rank) & bit)
+        teed = bool(_for_rank(tee, local_rank) & bit)
+        path = None
+        if base and (redirected or teed):
+            folder = os.path.join(base, run_id, f"attempt_{attempt}", str(local_rank))
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, f"{name}.log")
+        out.append((path, not redirected))
+    return out
+
+
+def _for_rank(spec, local_rank: int) -> int:
+    return spec.get(local_rank, 0) if isinstance(spec, dict) else int(spec or 0)

@@ -130,6 +130,25 @@ requeue (--requeue): the Trainer then checkpoints, requeues the job and resumes 
 """
 
 
+def _std_spec(value: str) -> int | dict[int, int]:
+    """torchrun's ``--redirects``/``--tee``: ``3`` for every local rank, or ``0:1,1:2`` per local rank."""
+    def level(text: str) -> int:
+        if text.strip() not in ("0", "1", "2", "3"):
+            raise argparse.ArgumentTypeError(
+                f"expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or LOCAL_RANK:N,..., got {value!r}")
+        return int(text)
+
+    if ":" not in value:
+        return level(value)
+    spec = {}
+    for part in value.split(","):
+        rank, _, text = part.partition(":")
+        if not rank.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected LOCAL_RANK:N pairs like 0:1,1:2, got {value!r}")
+        spec[int(rank)] = level(text)
+    return spec
+
+
 def _version() -> str:
     from importlib import metadata
 
@@ -198,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
           help="c10d: every node runs the same command without --node-rank; the node owning the endpoint's "
                "address hosts the store and is node 0, the others are numbered as they arrive (default static)")
     _flag(run, "--rdzv-id", default=None, help="the job's id, given to the ranks as TORCHELASTIC_RUN_ID")
+    _flag(run, "--log-dir", default=None, help="with --tee/--redirects: where the ranks' log files go "
+          "(<dir>/<run id>/attempt_<k>/<local rank>/stdout.log, stderr.log; default: a new temporary folder)")
+    _flag(run, "-t", "--tee", type=_std_spec, default=0, metavar="N|R:N,...",
+          help="also write the ranks' output to log files: 1 stdout, 2 stderr, 3 both (per local rank: 0:3,1:2)")
+    _flag(run, "-r", "--redirects", type=_std_spec, default=0, metavar="N|R:N,...",
+          help="write the ranks' output to log files instead of the console (same values as --tee)")
     _flag(run, "--standalone", action="store_true", help="accepted for torchrun compatibility (single node)")
     _flag(run, "-m", "--module", action="store_true", help="run the program as a module (python -m)")
     run.add_argument("program", help="the training script (or module with -m)")
@@ -292,6 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 master_addr=master_addr,
                 master_port=master_port,
                 run_id=ns.rdzv_id,
+                log_dir=ns.log_dir,
+                redirects=ns.redirects,
+                tee=ns.tee,
                 module=ns.module,
                 log_ranks=ns.log_ranks,
                 max_restarts=ns.max_restarts,

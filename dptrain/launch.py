@@ -37,6 +37,7 @@ from dptrain._rendezvous import (
     _StoreServer,
     exit_barrier,
     omp_threads,
+    rank_log_files,
     read_error_file,
     free_port,
     rank_environ,
@@ -60,7 +61,8 @@ class LaunchConfig:
     None for all), ``max_restarts``, ``timeout`` (seconds for collectives), ``debug``,
     ``profile`` (the Trainer's per-rank step report), ``module`` (run ``python -m``),
     ``program`` and ``args``; ``run_id`` (the ranks' ``TORCHELASTIC_RUN_ID``; None: inherited,
-    else random).
+    else random); ``log_dir``, ``redirects`` and ``tee`` (torchrun's per-rank log files: 0-3
+    for every local rank, or a dict local rank -> 0-3; see ``rank_log_files``).
     """
 
     program: str
@@ -79,6 +81,9 @@ class LaunchConfig:
     min_nodes: int | None = None
     join_timeout: float = 30.0
     run_id: str | None = None
+    log_dir: str | None = None
+    redirects: int | dict = 0
+    tee: int | dict = 0
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -126,7 +131,7 @@ class _RankProcess:
     """One rank as a child process, its output relayed live under a ``[rankN]`` prefix."""
 
     def __init__(self, rank: int, local_rank: int, cmd: list[str], environ: dict[str, str], show: bool,
-                 console: Console) -> None:
+                 console: Console, logs: Sequence = ((None, True), (None, True))) -> None:
         self.rank = rank
         self.local_rank = local_rank
         self.tail: deque[str] = deque(maxlen=30)  # last stderr lines, for the failure report
@@ -139,8 +144,9 @@ class _RankProcess:
             start_new_session=True,  # its own process group: we can stop its DataLoader workers too
             preexec_fn=parent_death_signal(os.getpid()),
         )
-        self._relays = [Relay(self.proc.stdout, rank, 0, console, show),
-                        Relay(self.proc.stderr, rank, 1, console, show, self.tail)]
+        (out_log, out_shown), (err_log, err_shown) = logs  # see rank_log_files
+        self._relays = [Relay(self.proc.stdout, rank, 0, console, show and out_shown, log_path=out_log),
+                        Relay(self.proc.stderr, rank, 1, console, show and err_shown, self.tail, log_path=err_log)]
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -259,6 +265,11 @@ class _Job:
             self.close()
             raise
         self.run_id = config.run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+        self.log_dir = config.log_dir
+        if not self.log_dir and (config.redirects or config.tee):  # as torchrun: a new temporary folder
+            self.log_dir = tempfile.mkdtemp(prefix="dptrain_logs_")
+        if self.log_dir and (config.redirects or config.tee):
+            self.log(f"dptrain run: rank logs go to {os.path.join(self.log_dir, self.run_id)}")
         self.stall_s = float(os.environ.get("DPTRAIN_STALL_REPORT_S", "60"))
         self.base_env = self._base_env()
         self.cmd = [sys.executable, "-u"] + (["-m", config.program] if config.module else [config.program])
@@ -397,7 +408,8 @@ class _Job:
             rank = self.layout.rank_base + local
             show = config.log_ranks is None or rank in config.log_ranks
             environ = self._rank_env(rank, local, attempt, show)
-            proc = _RankProcess(rank, local, self.cmd, environ, show, self.console)
+            logs = rank_log_files(self.log_dir, self.run_id, attempt, local, config.redirects, config.tee)
+            proc = _RankProcess(rank, local, self.cmd, environ, show, self.console, logs)
             self.ranks.append(proc)
             self.janitor.tell("group", proc.proc.pid)
         self._open_store()
