@@ -304,8 +304,12 @@ def rank_log_files(base: str | None, run_id: str, attempt: int, local_rank: int,
         path = None
         if base and (redirected or teed):
             folder = os.path.join(base, run_id, f"attempt_{attempt}", str(local_rank))
-            os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, f"{name}.log")
+            try:  # here, before the rank starts: a rank must never run without its relay
+                os.makedirs(folder, exist_ok=True)
+                open(path, "ab").close()
+            except OSError as exc:
+                raise ValueError(f"--log-dir: cannot write {path} ({exc.strerror}); give a writable folder") from None
         out.append((path, not redirected))
     return out
 

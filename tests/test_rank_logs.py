@@ -53,3 +53,11 @@ def test_without_tee_or_redirects_nothing_is_written(tmp_path):
 def test_bad_values_are_refused(value):
     done = _run("--tee", value)
     assert done.returncode == 2 and "argument -t/--tee" in done.stderr
+
+
+def test_an_unwritable_log_dir_is_an_error_before_any_rank_starts(tmp_path):
+    (tmp_path / "file").write_text("")
+    done = _run("--log-dir", str(tmp_path / "file" / "logs"), "--tee", "1")
+    assert done.returncode == 2
+    assert "dptrain run: error: --log-dir: cannot write" in done.stderr and "give a writable folder" in done.stderr
+    assert "out from" not in done.stdout
