@@ -54,6 +54,28 @@ def probe(addr: str, port: int, timeout_s: float = 2.0) -> str | None:
         return exc.strerror or str(exc)
 
 
+def wait_for_listener(host: str, port: int, timeout_s: float, who: str, what: str, hint: str,
+                      log: Callable[[str], None], check: Callable[[], None] = lambda: None) -> None:
+    """Return once something accepts connections at ``host:port`` (a launcher waiting for node 0).
+
+    Every ``WAIT_REPORT_S`` it logs "dptrain run: <who> has waited Ns for <what> at host:port:
+    <why>. <hint>"; after ``timeout_s`` it raises ValueError "<who> could not reach <what> at
+    host:port within Ts: <why>". ``check`` runs between probes (it may raise to stop waiting).
+    """
+    where = f"{host}:{port}"
+    t0 = time.monotonic()
+    next_report = t0 + WAIT_REPORT_S
+    while (why := probe(host, port, timeout_s=1.0)) is not None:
+        check()
+        waited = time.monotonic() - t0
+        if waited >= timeout_s:
+            raise ValueError(f"{who} could not reach {what} at {where} within {timeout_s:.0f}s: {why}")
+        if time.monotonic() >= next_report:
+            next_report += WAIT_REPORT_S
+            log(f"dptrain run: {who} has waited {waited:.0f}s for {what} at {where}: {why}. {hint}")
+        time.sleep(0.5)
+
+
 def ranks_text(ranks: list[int], limit: int = 16) -> str:
     """``[1, 2, 3]`` as "1, 2, 3"; long lists are cut: "1, 2, ... (40 more)"."""
     shown = ", ".join(str(r) for r in ranks[:limit])

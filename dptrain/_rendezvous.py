@@ -97,7 +97,7 @@ def auto_node_rank(host: str, port: int, nnodes: int, timeout_s: float, log) -> 
     they reach it, and keep that number for the whole job (restarts included). Waits for the
     store like a node with an explicit rank, saying every 30 s what it waits for.
     """
-    from dptrain._join import WAIT_REPORT_S, probe
+    from dptrain._join import wait_for_listener
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -106,17 +106,8 @@ def auto_node_rank(host: str, port: int, nnodes: int, timeout_s: float, log) -> 
             return 0
         except OSError:
             pass  # not an address of this machine, or another launcher here hosts already
-    t0 = time.monotonic()
-    next_report = t0 + WAIT_REPORT_S
-    while (why := probe(host, port, timeout_s=1.0)) is not None:
-        waited = time.monotonic() - t0
-        if waited >= timeout_s:
-            raise ValueError(f"could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s: {why}")
-        if time.monotonic() >= next_report:
-            next_report += WAIT_REPORT_S
-            log(f"dptrain run: waited {waited:.0f}s for the rendezvous at {host}:{port}: {why}. Is `dptrain run` "
-                f"running on the machine that owns {host}?")
-        time.sleep(0.5)
+    wait_for_listener(host, port, timeout_s, "this node", "the rendezvous",
+                      f"Is `dptrain run` running on the machine that owns {host}?", log)
     import torch.distributed as dist
 
     store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))

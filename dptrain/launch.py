@@ -26,7 +26,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from dptrain._janitor import Janitor, parent_death_signal
-from dptrain._join import WAIT_REPORT_S, probe, ranks_text
+from dptrain._join import WAIT_REPORT_S, ranks_text, wait_for_listener
 from dptrain._membership import Elastic, Membership
 from dptrain._relay import Console, Relay
 from dptrain._heartbeat import DEFAULT_TIMEOUT_S, EXITS_PUBLISHED, describe_exit, key, keys_prefix, where
@@ -265,10 +265,9 @@ class _Job:
             self.close()
             raise
         self.run_id = config.run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
-        self.log_dir = config.log_dir
-        if not self.log_dir and (config.redirects or config.tee):  # as torchrun: a new temporary folder
-            self.log_dir = tempfile.mkdtemp(prefix="dptrain_logs_")
-        if self.log_dir and (config.redirects or config.tee):
+        self.log_dir = None  # rank log files are written only with --tee or --redirects, as torchrun's
+        if config.redirects or config.tee:
+            self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="dptrain_logs_")  # as torchrun: a new folder
             self.log(f"dptrain run: rank logs go to {os.path.join(self.log_dir, self.run_id)}")
         self.stall_s = float(os.environ.get("DPTRAIN_STALL_REPORT_S", "60"))
         self.base_env = self._base_env()
@@ -333,24 +332,9 @@ class _Job:
 
     def _wait_for_master(self, timeout: float) -> None:
         """Wait for node 0's store, saying every ``DPTRAIN_WAIT_REPORT_S`` what it waits for."""
-        where = f"{self.host}:{self.config.master_port}"
-        t0 = time.monotonic()
-        next_report = t0 + WAIT_REPORT_S
-        while True:
-            why = probe(self.host, self.config.master_port, timeout_s=1.0)
-            if why is None:
-                return
-            self._check_signals()
-            waited = time.monotonic() - t0
-            if waited >= timeout:
-                raise ValueError(f"node {self.config.node_rank} could not reach node 0's rendezvous at {where} "
-                                 f"within {timeout:.0f}s: {why}")
-            if time.monotonic() >= next_report:
-                next_report += WAIT_REPORT_S
-                self.log(f"dptrain run: node {self.config.node_rank} has waited {waited:.0f}s for node 0's "
-                         f"rendezvous at {where}: {why}. Is `dptrain run --node-rank 0` running there, and is "
-                         f"{self.host} its address as seen from this node?")
-            time.sleep(0.5)
+        wait_for_listener(self.host, self.config.master_port, timeout, f"node {self.config.node_rank}",
+                          "node 0's rendezvous", f"Is `dptrain run --node-rank 0` running there, and is {self.host} "
+                          f"its address as seen from this node?", self.log, self._check_signals)
 
     def _base_env(self) -> dict[str, str]:
         config = self.config

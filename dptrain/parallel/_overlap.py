@@ -214,5 +214,6 @@ def scheduler_tracked_step(optimizer: torch.optim.Optimizer, step_fn: Callable) 
 
 
 def _overlapped_step(optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
-    optimizer._opt_called = True  # what an LR scheduler's wrapper records (it may wrap this method)
+    # LR schedulers' step tracking (``_opt_called``) is set by their own wrapper when built
+    # after the DDP, and by scheduler_tracked_step when built before it.
     return optimizer._dptrain_overlap.user_step(closure)

@@ -296,6 +296,5 @@ def _move_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     for inner in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
         inner.optimizer = optimizer
     if not getattr(optimizer.step, "_wrapped_by_lr_sched", False):
-        original = type(optimizer).step
-        optimizer.step = scheduler_tracked_step(optimizer, lambda opt, closure: original(opt, closure))
+        optimizer.step = scheduler_tracked_step(optimizer, type(optimizer).step)
 
