@@ -108,10 +108,13 @@ def auto_node_rank(host: str, port: int, nnodes: int, timeout_s: float, log) -> 
             pass  # not an address of this machine, or another launcher here hosts already
     wait_for_listener(host, port, timeout_s, "this node", "the rendezvous",
                       f"Is `dptrain run` running on the machine that owns {host}?", log)
-    import torch.distributed as dist
+    from dptrain._store import StoreClient
 
-    store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
-    rank = store.add(ARRIVALS_KEY, 1)
+    store = StoreClient(host, port, timeout=timeout_s)
+    try:
+        rank = store.add(ARRIVALS_KEY, 1)
+    finally:
+        store.close()
     if rank >= nnodes:
         raise ValueError(
             f"node {rank + 1} reached the rendezvous at {host}:{port}, but the job has --nnodes {nnodes}: start "
@@ -123,15 +126,21 @@ def auto_node_rank(host: str, port: int, nnodes: int, timeout_s: float, log) -> 
 class _StoreServer:
     """The rendezvous store, hosted by the launcher and bound to one address only.
 
-    ``TCPStore`` on its own listens on every interface; we bind the socket ourselves (to
-    127.0.0.1 on a single node, to the given master address across nodes) and hand it over.
+    We bind the socket ourselves (to 127.0.0.1 on a single node, to the given master
+    address across nodes; torch's ``TCPStore`` alone would listen on every interface) and
+    hand it to the server: dptrain's own (``dptrain._store``, no torch import, see its
+    [Note: why the launcher does not import torch]) or, with ``DPTRAIN_STORE=torch`` or a
+    torch newer than that server was tested with, torch's ``TCPStore``.
     """
 
     def __init__(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        from dptrain._store import use_python_store
+
         self.host = host
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.store = None
+        self.ours = use_python_store()  # decided (and a bad DPTRAIN_STORE refused) before any rank starts
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -145,29 +154,36 @@ class _StoreServer:
                 ) from None
             raise ValueError(f"cannot listen on {host} ({exc.strerror}); check --master-addr") from None
         # Listening already: ranks started before serve() queue in the backlog and are answered
-        # once the store runs, so a launcher can start its ranks before it imports torch.
+        # once the store runs, so a launcher can start its ranks before its store is up.
         self._sock.listen(512)
         self.port = self._sock.getsockname()[1]
 
-    def serve(self):
-        """Start the store on the bound socket (imports torch); returns it."""
+    def serve(self) -> None:
+        """Start serving on the bound socket (idempotent)."""
+        from dptrain._store import StoreServer
+
+        if self.store is not None:
+            return
+        if self.ours:
+            self.store = StoreServer(self._sock)
+            return
         import torch.distributed as dist
 
-        if self.store is None:
-            td = datetime.timedelta(seconds=self.timeout_s)
-            try:
-                self.store = dist.TCPStore(
-                    self.host, self.port, self.world_size, True, timeout=td, wait_for_workers=False,
-                    master_listen_fd=self._sock.fileno(),
-                )
-            except TypeError:  # torch without master_listen_fd: let the store bind by itself
-                self._sock.close()
-                self.store = dist.TCPStore(self.host, self.port, self.world_size, True, timeout=td,
-                                           wait_for_workers=False)
-        return self.store
+        td = datetime.timedelta(seconds=self.timeout_s)
+        try:
+            self.store = dist.TCPStore(
+                self.host, self.port, self.world_size, True, timeout=td, wait_for_workers=False,
+                master_listen_fd=self._sock.fileno(),
+            )
+        except TypeError:  # torch without master_listen_fd: let the store bind by itself
+            self._sock.close()
+            self.store = dist.TCPStore(self.host, self.port, self.world_size, True, timeout=td,
+                                       wait_for_workers=False)
 
     def close(self) -> None:
-        self.store = None
+        store, self.store = self.store, None
+        if hasattr(store, "close"):  # ours; torch's stops when its last reference goes
+            store.close()
         try:
             self._sock.close()
         except OSError:

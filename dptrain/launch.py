@@ -14,7 +14,6 @@ MIN:MAX`` on the nodes that are still there (see ``_membership``).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 import signal
@@ -29,6 +28,7 @@ from dptrain._janitor import Janitor, parent_death_signal
 from dptrain._join import WAIT_REPORT_S, ranks_text, wait_for_listener
 from dptrain._membership import Elastic, Membership
 from dptrain._relay import Console, Relay
+from dptrain._store import StoreClient, StoreError
 from dptrain._heartbeat import DEFAULT_TIMEOUT_S, EXITS_PUBLISHED, describe_exit, key, keys_prefix, where
 from dptrain._rendezvous import (
     RankFailedError,
@@ -250,6 +250,7 @@ class _Job:
         self.janitor.tell("dir", self.error_dir)
         self.ranks: list[_RankProcess] = []
         self.server = None
+        self.store: StoreClient | None = None
         self.elastic: Elastic | None = None
         # This node's place in the current attempt; fixed unless the job is elastic.
         self.layout = Membership(node_rank=config.node_rank, rank_base=config.node_rank * config.nproc_per_node,
@@ -305,28 +306,20 @@ class _Job:
         return layout is not None
 
     def _open_store(self) -> None:
-        """The store this launcher reads and writes: hosted on node 0, a client elsewhere.
+        """Serve the store (node 0) and connect this launcher's client to it (every node).
 
-        Called once the first ranks are started: importing torch takes about a second, and
-        the ranks spend it importing torch themselves instead of waiting for the launcher.
+        Called once the first ranks are started, so that with torch's server (which imports
+        torch, see ``_StoreServer``) the ranks spend that second importing torch themselves.
         """
         if self.store is not None:
             return
-        # At normal priority on purpose: node 0's store must answer other nodes within their
-        # connect timeout even on a machine whose every core is busy (a niced import was
-        # starved there for over a minute).
-        import torch.distributed  # noqa: F401 - the first import of torch in the launcher
         if self.server is not None:
-            self.store = self.server.serve()
-            return
-        import torch.distributed as dist
-
+            self.server.serve()
         config = self.config
         try:
-            self.store = dist.TCPStore(self.host, config.master_port, None, False,
-                                       timeout=datetime.timedelta(seconds=config.timeout or DEFAULT_TIMEOUT_S))
-        except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
-            raise ValueError(f"node {config.node_rank} reached {self.host}:{config.master_port} but no "
+            self.store = StoreClient(self.host, self.port, timeout=config.timeout or DEFAULT_TIMEOUT_S)
+        except StoreError as exc:
+            raise ValueError(f"node {config.node_rank} reached {self.host}:{self.port} but no "
                              f"rendezvous store answered there ({str(exc).strip()[:200]}); is --master-port "
                              f"the port that `dptrain run --node-rank 0` listens on?") from None
 
@@ -546,6 +539,8 @@ class _Job:
         if self.elastic is not None and self.elastic.coordinator:
             self.elastic.finish()  # nodes still waiting to be admitted end too
         self.janitor.done()
+        if self.store is not None:
+            self.store.close()
         if self.server:
             self.server.close()
         shutil.rmtree(self.error_dir, ignore_errors=True)
