@@ -79,6 +79,7 @@ VARIANTS = {
     "floor": ("no communication (floor)", lambda m: (m, _sgd(m))),
     "torch_fp16": ("PyTorch DDP + its fp16 hook", _torch_hook(torch_hooks.fp16_compress_hook)),
     "ours": ("dptrain DDP fp32", lambda m: (dptrain.DDP(m), _sgd(m))),
+    "ours_gloo": ("dptrain DDP fp32, shm=False (gloo only)", lambda m: (dptrain.DDP(m, shm=False), _sgd(m))),
     "bf16": ('dptrain compression="bf16"', lambda m: (lambda d: (d, _sgd(d)))(dptrain.DDP(m, compression="bf16"))),
     "psgd1": ("dptrain PowerSGD rank 1", _ours_psgd(1)),
     "psgd2": ("dptrain PowerSGD rank 2", _ours_psgd(2)),

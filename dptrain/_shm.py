@@ -69,11 +69,12 @@ class Work:
         return self._done.is_set()
 
 
-def _through_slot(seg: "_Segment", offset: int, slot: torch.Tensor, tensor: torch.Tensor, op: str) -> None:
+def _through_slot(seg: "_Segment", offset: int, slot: torch.Tensor, tensor: torch.Tensor, op: str,
+                  between: Callable[[torch.Tensor], None] | None) -> None:
     kept = slot.clone()
     slot.copy_(tensor.reshape(-1))
     try:
-        seg.all_reduce_at(offset, slot.numel(), slot.dtype, op)
+        seg.all_reduce_at(offset, slot.numel(), slot.dtype, op, between)
         tensor.copy_(slot.view(tensor.shape))
     finally:
         slot.copy_(kept)
@@ -164,6 +165,9 @@ class ShmGroup:
         self.world_size = segment.n
         self.region_bytes = segment.region
         self._next = 0  # bump allocator inside this rank's region (same offsets on every rank)
+        # Set on the node groups of a job across nodes (dptrain._shm_nodes): completes each
+        # rank's chunk of a node's sum with the other nodes' before it is copied out.
+        self.between: Callable[[torch.Tensor], None] | None = None
         self._runner = _Runner(segment)
         self._finalizer = weakref.finalize(self, self._runner.stop)
 
@@ -246,13 +250,13 @@ class ShmGroup:
         if offset is None:
             fn = lambda: self._staged_all_reduce(tensor, op)  # noqa: E731
         elif place is tensor or (place.data_ptr() == tensor.data_ptr() and place.numel() == tensor.numel()):
-            fn = lambda: seg.all_reduce_at(offset, tensor.numel(), tensor.dtype, op)  # noqa: E731
+            fn = lambda: seg.all_reduce_at(offset, tensor.numel(), tensor.dtype, op, self.between)  # noqa: E731
         elif place.numel() != tensor.numel() or place.dtype != tensor.dtype:
             raise ValueError(
                 f"{op}: slot holds {place.numel()} {place.dtype} elements, tensor {tensor.numel()} {tensor.dtype}"
             )
         else:
-            fn = lambda: _through_slot(seg, offset, place, tensor, op)  # noqa: E731
+            fn = lambda: _through_slot(seg, offset, place, tensor, op, self.between)  # noqa: E731
         return self._runner.submit(fn)
 
     def all_gather(self, per_rank: Sequence[Sequence[torch.Tensor]], tag: str = "") -> None:
@@ -292,7 +296,7 @@ class ShmGroup:
             piece = flat[start : start + room]
             stage = seg.view(seg.rank, self._next, piece.numel(), tensor.dtype)
             stage.copy_(piece)
-            seg.all_reduce_at(self._next, piece.numel(), tensor.dtype, op)
+            seg.all_reduce_at(self._next, piece.numel(), tensor.dtype, op, self.between)
             piece.copy_(stage)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view(tensor.shape))
@@ -311,9 +315,14 @@ def for_parameters(params: Sequence[torch.Tensor], group: Any, want: bool | None
     :meth:`ShmGroup.zeros`) plus room for padding and a staging area for other
     all-reduces of ordinary tensors, processed in pieces (the reducer itself never needs it).
     """
+    nbytes, devices = region_for(params)
+    return ShmGroup.create(group, nbytes, what=what, want=want, devices=devices)
+
+
+def region_for(params: Sequence[torch.Tensor]) -> tuple[int, list[torch.device]]:
+    """(bytes of each rank's region, the devices) for a reducer of ``params`` (see for_parameters)."""
     buckets = sum(_aligned(p.numel() * p.element_size()) for p in params)
     slack = 2048 * 8 + _ALIGN * (len(params) + 1)  # a bucket's status slot and 1024-element padding
     staging = min(buckets, 256 * 1024)
-    devices = sorted({p.device for p in params}, key=str)
-    return ShmGroup.create(group, buckets + slack + staging, what=what, want=want, devices=devices)
+    return buckets + slack + staging, sorted({p.device for p in params}, key=str)
 

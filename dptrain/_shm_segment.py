@@ -67,7 +67,7 @@ import socket
 import sys
 import time
 import zlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -311,8 +311,13 @@ class _Segment:
             self.reads_pending = None
 
     # ---- collectives (run on the worker thread, in issue order)
-    def all_reduce_at(self, offset: int, numel: int, dtype: torch.dtype, op: str) -> None:
-        """Sum the buffer at ``offset`` of every region into all of them (see the protocol note)."""
+    def all_reduce_at(self, offset: int, numel: int, dtype: torch.dtype, op: str,
+                      between: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Sum the buffer at ``offset`` of every region into all of them (see the protocol note).
+
+        ``between(chunk)``, when given, completes this rank's chunk of the sum in place before
+        it is copied out (across nodes: the all-reduce with the other nodes, see _shm_nodes).
+        """
         self.barrier(op, (1 | zlib.crc32(str(dtype).encode()) << 8, offset, numel * dtype.itemsize))
         per = -(-numel // self.n)
         per = -(-per * dtype.itemsize // _ALIGN) * _ALIGN // dtype.itemsize
@@ -324,6 +329,8 @@ class _Segment:
             torch.add(parts[0], parts[1], out=acc)
             for part in parts[2:]:
                 acc.add_(part)
+            if between is not None:
+                between(acc)
             for part in parts[1:]:
                 part.copy_(acc)
         self.barrier(op)
