@@ -242,9 +242,7 @@ class ShmGroup:
         """
         if tensor.device.type != "cpu":
             raise ValueError(f"shared-memory all_reduce needs a CPU tensor, got one on {tensor.device}")
-        seg = self._seg
-        seg.count += 1
-        op = f"{seg.what} #{seg.count}{' (' + tag + ')' if tag else ''}"
+        seg, op = self._seg, self._name(tag)
         place = tensor if slot is None else slot
         offset = seg.offset_of(place)
         if offset is None:
@@ -281,10 +279,63 @@ class ShmGroup:
                     f"{self.region_bytes}; create the ShmGroup with a larger nbytes"
                 )
             layouts.append(layout)
+        seg, op = self._seg, self._name(tag)
+        self._runner.submit(lambda: seg.all_gather_at(layouts, op)).wait()
+
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, tag: str = "") -> Work:
+        """Gather every rank's equal ``shard`` into ``out`` (rank order, as torch's
+        ``all_gather_into_tensor``); asynchronous. The shards meet in the region's free space,
+        in pieces when they are larger."""
+        n, flat = self.world_size, shard.reshape(-1)
+        rows = out.reshape(-1).view(n, flat.numel())
+        room = self._room(shard, "all_gather", 1)
+        seg, op, offset = self._seg, self._name(tag), self._next
+
+        def run() -> None:
+            for start in range(0, flat.numel(), room):
+                end = min(start + room, flat.numel())
+                layouts = [[(offset, flat[start:end] if j == self.rank else rows[j, start:end])] for j in range(n)]
+                seg.all_gather_at(layouts, op)
+            rows[self.rank].copy_(flat)
+
+        return self._runner.submit(run)
+
+    def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, tag: str = "") -> Work:
+        """Sum ``full`` over the ranks and leave this rank's chunk in ``out`` (as torch's
+        ``reduce_scatter_tensor``); asynchronous, in pieces when ``full`` is larger than the
+        region's free space. Summation order: ``((x0 + x1) + x2) + ...`` in group-rank order.
+
+        Raises:
+            ValueError: ``full`` is not ``world_size`` chunks of ``out``'s size, or not on the CPU.
+        """
+        n = self.world_size
+        if out.numel() * n != full.numel():
+            raise ValueError(f"shared-memory reduce_scatter: {full.numel()} elements do not split into "
+                             f"{n} chunks of {out.numel()}")
+        rows, flat_out = full.reshape(n, out.numel()), out.reshape(-1)
+        room = self._room(full, "reduce_scatter", n)
+        seg, op, offset = self._seg, self._name(tag), self._next
+
+        def run() -> None:
+            for start in range(0, flat_out.numel(), room):
+                end = min(start + room, flat_out.numel())
+                seg.reduce_scatter_at(offset, rows[:, start:end], flat_out[start:end], op)
+
+        return self._runner.submit(run)
+
+    def _room(self, t: torch.Tensor, what: str, rows: int) -> int:
+        """Elements per row that one piece of a collective on ``t`` can hold in the free space."""
+        if t.device.type != "cpu":
+            raise ValueError(f"shared-memory {what} needs CPU tensors, got one on {t.device}")
+        room = (self.region_bytes - self._next) // (rows * t.element_size())
+        if room < 1:
+            raise ValueError(f"shared-memory {what}: the region has no free space; create the ShmGroup with a larger nbytes")
+        return room
+
+    def _name(self, tag: str) -> str:
         seg = self._seg
         seg.count += 1
-        op = f"{seg.what} #{seg.count}{' (' + tag + ')' if tag else ''}"
-        self._runner.submit(lambda: seg.all_gather_at(layouts, op)).wait()
+        return f"{seg.what} #{seg.count}{' (' + tag + ')' if tag else ''}"
 
     def _staged_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
         seg, room = self._seg, (self.region_bytes - self._next) // tensor.element_size()

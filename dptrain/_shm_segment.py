@@ -260,12 +260,12 @@ class _Segment:
         """
         if all(d == descs[0] for d in descs):
             return
-        names = {1: "all_reduce", 2: "all_gather"}
+        names = {1: "all_reduce", 2: "all_gather", 3: "reduce_scatter"}
 
         def fmt(d: tuple) -> str:
             kind, a, b = d
-            if kind & 0xFF == 1:
-                return f"all_reduce of {b} bytes at offset {a}"
+            if kind & 0xFF in (1, 3):
+                return f"{names[kind & 0xFF]} of {b} bytes at offset {a}"
             return f"{names.get(kind & 0xFF, 'unknown')} of {a} tensors, {b} bytes"
 
         listing = "; ".join(f"rank {r}: {fmt(d)}" for r, d in zip(self.ranks, descs))
@@ -334,6 +334,23 @@ class _Segment:
             for part in parts[1:]:
                 part.copy_(acc)
         self.barrier(op)
+
+    def reduce_scatter_at(self, offset: int, rows: torch.Tensor, out: torch.Tensor, op: str) -> None:
+        """Sum ``rows`` (n x k: row j goes to rank j) over the ranks; row ``rank`` of the sum into ``out``.
+
+        ``rows`` is published at ``offset`` of this region; rank r then sums row r of every
+        region in rank order ``((x0 + x1) + x2) + ...`` straight into ``out``. Only reads of
+        other regions, so "done reading" is announced lazily, as in :meth:`all_gather_at`.
+        """
+        self.settle(op)
+        k, dtype = rows.shape[1], rows.dtype
+        self.view(self.rank, offset, rows.numel(), dtype).view(rows.shape).copy_(rows)
+        self.barrier(op, (3 | zlib.crc32(str(dtype).encode()) << 8, offset, rows.numel() * dtype.itemsize))
+        parts = [self.view(j, offset + self.rank * k * dtype.itemsize, k, dtype) for j in range(self.n)]
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out.add_(part)
+        self.reads_pending = self.arrive(op)
 
     def all_gather_at(self, layouts: list[list[tuple[int, torch.Tensor]]], op: str) -> None:
         """Publish ``layouts[rank]`` (offset, tensor) in this region, then read every other rank's.

@@ -1,20 +1,21 @@
 """FSDP's collectives: gather equal shards into one flat tensor, reduce-scatter it back.
 
 Both use the single-tensor collectives (one launch for the whole unit) and fall back to the
-list forms on backends that lack them. Waiting on what they return goes through
+list forms on backends that lack them. When the ranks share one node and the tensors are on
+the CPU, both run in shared memory instead (see ``attach_shared_memory``). Waiting on what they return goes through
 :func:`dptrain.comm.wait`, so a peer that never arrives is named like everywhere else.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dptrain import comm
 
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "wait"]
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "wait", "attach_shared_memory"]
 
 # Newer torch renamed the tensor collectives; the old names still work but warn.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -28,11 +29,17 @@ def _unsupported(err: Exception) -> bool:
     return "not supported" in text or "does not support" in text or "no implementation" in text
 
 
-def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Any, world: int, async_op: bool):
-    """Gather equal shards into ``out`` (rank order). Returns a work handle or None."""
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Any, world: int, async_op: bool, shm: Any = None):
+    """Gather equal shards into ``out`` (rank order). Returns a work handle or None.
+
+    ``shm``: the root's :class:`dptrain._shm.ShmGroup` when its ranks share one node (CPU).
+    """
     if world == 1:
         out.copy_(shard)
         return None
+    if shm is not None:
+        work = shm.all_gather_into(out, shard, tag="FSDP all-gather")
+        return work if async_op else work.wait()
     if not _FALLBACK["all_gather"]:
         try:
             return _ALL_GATHER(out, shard, group=group, async_op=async_op)
@@ -44,11 +51,15 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Any, world: i
     return dist.all_gather(list(out.chunk(world)), shard, group=group, async_op=async_op)
 
 
-def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: Any, world: int, rank: int, async_op: bool):
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: Any, world: int, rank: int, async_op: bool,
+                        shm: Any = None):
     """Sum ``full`` over ranks and leave this rank's chunk in ``out``. Returns work or None."""
     if world == 1:
         out.copy_(full)
         return None
+    if shm is not None:
+        work = shm.reduce_scatter_into(out, full, tag="FSDP reduce-scatter")
+        return work if async_op else work.wait()
     if not _FALLBACK["reduce_scatter"]:
         try:
             return _REDUCE_SCATTER(out, full, group=group, async_op=async_op)
@@ -61,6 +72,31 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: Any, world
     comm.wait(dist.all_reduce(full, group=group, async_op=True), "FSDP reduce-scatter (all-reduce fallback)", group)
     out.copy_(full.chunk(world)[rank])
     return None
+
+
+#: The most a rank's shared-memory region takes (bytes); what is larger goes in pieces.
+SHM_REGION_BYTES = 8 << 20
+
+
+def attach_shared_memory(units: Sequence[Any], group: Any, device: torch.device) -> Any:
+    """Give the sharded units one shared-memory group when the ranks share a node; collective.
+
+    A rank publishes its gradient there for the reduce-scatter and its shard for the
+    all-gather (one collective at a time, on the group's worker thread, in issue order). Each
+    rank's region holds the largest unit's flat tensor up to ``SHM_REGION_BYTES``; larger
+    tensors pass in pieces, so ``/dev/shm`` needs at most that per rank whatever the model.
+    Returns the group, or None on every rank (other nodes, GPUs, ``DPTRAIN_SHM=0``): gloo.
+    """
+    from dptrain._shm import ShmGroup
+
+    sharded = [u for u in units if u.world > 1 and u.shard_numel < u.padded_numel]
+    if not sharded:
+        return None
+    nbytes = min(max(u.padded_numel * u.dtype.itemsize for u in sharded), SHM_REGION_BYTES)
+    shm = ShmGroup.create(group, nbytes, what="FSDP all-gather / reduce-scatter", devices=[device])
+    for unit in sharded:
+        unit.shm = shm
+    return shm
 
 
 def wait(work: Any, what: str, group: Any) -> None:

@@ -97,6 +97,7 @@ class FlatParamUnit:
         self.device = torch.device(device)
         self.offload = offload
         self.state = state
+        self.shm = None  # the root's shared-memory group, when its ranks share one node (attach_shared_memory)
         self.is_root = False  # set by the root FSDP: its unit stays gathered after forward
 
         self.name = type(module).__name__  # for messages; the wrapper sets the qualified name
@@ -210,7 +211,8 @@ class FlatParamUnit:
             return
         # Always issued asynchronously, so that even a blocking gather is waited for through
         # the guarded wait (a stalled peer is named, not reported as a bare timeout).
-        self._gather_work = all_gather_flat(self.full_param.data, src, self.group, self.world, async_op=True)
+        self._gather_work = all_gather_flat(self.full_param.data, src, self.group, self.world, async_op=True,
+                                            shm=self.shm)
         self._gather_src = src
         self.phase = UnitState.GATHERING
         if not async_op:
@@ -294,7 +296,7 @@ class FlatParamUnit:
             out = grad
         else:
             out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
-            work = reduce_scatter_flat(out, grad, self.group, self.world, self.rank, async_op=True)
+            work = reduce_scatter_flat(out, grad, self.group, self.world, self.rank, async_op=True, shm=self.shm)
         state.pending.append((self, work, out, grad))
         self.reshard()
 

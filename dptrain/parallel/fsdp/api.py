@@ -51,7 +51,7 @@ from torch import nn
 from dptrain import env
 from dptrain.parallel._verify import verify_same_model
 from dptrain.parallel.fsdp import _state_dict
-from dptrain.parallel.fsdp._collectives import wait
+from dptrain.parallel.fsdp._collectives import attach_shared_memory, wait
 from dptrain.parallel.fsdp._plan import module_names, owned_params, pick_units, record_key_order
 from dptrain.parallel.fsdp._root import RootState, install_optimizer_check
 from dptrain.parallel.fsdp._unit import FlatParamUnit, ShardingStrategy
@@ -147,6 +147,7 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._units:
             unit.state = self._state
         self._state.units = self._units
+        self._shm = attach_shared_memory(self._units, process_group, self.compute_device) if self._world > 1 else None
         install_optimizer_check()
         if self._world > 1 and strategy != ShardingStrategy.NO_SHARD and len(self._units) == 1:
             env._warn_once_main(
