@@ -58,10 +58,10 @@ def test_reduce_scatter_and_all_gather_in_shared_memory(nprocs):
         assert "reduce_scatter of" in mismatch and "the ranks called different shared-memory collectives" in mismatch
 
 
-def _train(rank):
+def _train(rank, shm=None):
     torch.manual_seed(0)
     model = TinyTransformer(vocab=32, dim=16, depth=3, heads=2, max_len=8)
-    fsdp = FSDP(copy.deepcopy(model), auto_wrap_policy=ModuleTypePolicy({TransformerBlock}))
+    fsdp = FSDP(copy.deepcopy(model), auto_wrap_policy=ModuleTypePolicy({TransformerBlock}), shm=shm)
     opt = torch.optim.Adam(fsdp.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(3):
@@ -80,3 +80,10 @@ def test_fsdp_uses_shared_memory_on_one_node_and_trains_bitwise_like_gloo():
     ours, gloo = on[0][1], off[0][1]
     assert list(ours) == list(gloo) and len(ours) > 0
     assert all(torch.equal(ours[k], gloo[k]) for k in ours)
+
+
+def test_the_shm_argument_turns_it_off_or_requires_it():
+    assert [used for used, _ in run_ranks(_train, 2, False, env=ON)] == [False, False]
+    assert [used for used, _ in run_ranks(_train, 2, True, env={"DPTRAIN_SHM": "0"})] == [True, True]
+    with pytest.raises(TypeError, match="shm=...\\) takes None, True or False"):
+        FSDP(torch.nn.Linear(2, 2), shm="yes")

@@ -78,14 +78,15 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: Any, world
 SHM_REGION_BYTES = 8 << 20
 
 
-def attach_shared_memory(units: Sequence[Any], group: Any, device: torch.device) -> Any:
+def attach_shared_memory(units: Sequence[Any], group: Any, device: torch.device, want: bool | None = None) -> Any:
     """Give the sharded units one shared-memory group when the ranks share a node; collective.
 
     A rank publishes its gradient there for the reduce-scatter and its shard for the
     all-gather (one collective at a time, on the group's worker thread, in issue order). Each
     rank's region holds the largest unit's flat tensor up to ``SHM_REGION_BYTES``; larger
     tensors pass in pieces, so ``/dev/shm`` needs at most that per rank whatever the model.
-    Returns the group, or None on every rank (other nodes, GPUs, ``DPTRAIN_SHM=0``): gloo.
+    Returns the group, or None on every rank (other nodes, GPUs, ``DPTRAIN_SHM=0``, ``want``
+    False): gloo. ``want`` True raises ValueError where shared memory cannot be used.
     """
     from dptrain._shm import ShmGroup
 
@@ -93,7 +94,7 @@ def attach_shared_memory(units: Sequence[Any], group: Any, device: torch.device)
     if not sharded:
         return None
     nbytes = min(max(u.padded_numel * u.dtype.itemsize for u in sharded), SHM_REGION_BYTES)
-    shm = ShmGroup.create(group, nbytes, what="FSDP all-gather / reduce-scatter", devices=[device])
+    shm = ShmGroup.create(group, nbytes, what="FSDP all-gather / reduce-scatter", want=want, devices=[device])
     for unit in sharded:
         unit.shm = shm
     return shm

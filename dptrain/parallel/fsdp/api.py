@@ -85,6 +85,10 @@ class FullyShardedDataParallel(nn.Module):
             moved there. Default None: the device of the module's parameters.
         sync_module_states: broadcast rank 0's parameters and buffers at construction so
             every rank starts identical. Default True.
+        shm: keyword only, not in PyTorch's FSDP: run the all-gathers and reduce-scatters in
+            shared memory. None (default): when every rank of the group is on this node and
+            the model is on the CPU, unless ``DPTRAIN_SHM=0``; False: never (gloo); True:
+            always, raising ValueError where it cannot.
 
     Raises:
         ValueError: unknown strategy; a parameter shared between two units; a unit mixing
@@ -112,6 +116,8 @@ class FullyShardedDataParallel(nn.Module):
         backward_prefetch: bool = True,
         device_id: int | str | torch.device | None = None,
         sync_module_states: bool = True,
+        *,
+        shm: bool | None = None,
     ) -> None:
         super().__init__()
         strategy = getattr(sharding_strategy, "name", sharding_strategy)
@@ -120,6 +126,8 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}; use one of {list(ShardingStrategy.ALL)}")
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
+        if shm not in (None, True, False):
+            raise TypeError(f"FSDP(shm=...) takes None, True or False, got {shm!r}")
         self.module = module
         self.sharding_strategy = strategy
         self.cpu_offload = bool(cpu_offload)
@@ -147,7 +155,7 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._units:
             unit.state = self._state
         self._state.units = self._units
-        self._shm = attach_shared_memory(self._units, process_group, self.compute_device) if self._world > 1 else None
+        self._shm = attach_shared_memory(self._units, process_group, self.compute_device, shm) if self._world > 1 else None
         install_optimizer_check()
         if self._world > 1 and strategy != ShardingStrategy.NO_SHARD and len(self._units) == 1:
             env._warn_once_main(
