@@ -57,6 +57,31 @@ def layout(nodes: Sequence[Any]) -> list[list[int]] | None:
     return groups
 
 
+# (id of the default group, the layout) -> (node groups, rails): one set per job, however
+# many DDP instances are built (every rank makes the same decision, so the cache agrees).
+_MADE: dict[tuple, tuple[list, list]] = {}
+
+
+def _groups(groups: list[list[int]]) -> tuple[list, list]:
+    key = (id(dist.distributed_c10d._get_default_group()), tuple(map(tuple, groups)))
+    made = _MADE.get(key)
+    if made is not None and all(_alive(pg) for pg in made[0] + made[1]):
+        return made
+    # Every rank makes every group, in the same order (new_group is collective over the world).
+    node_pgs = [dist.new_group(ranks) for ranks in groups]
+    rails = [dist.new_group([ranks[i] for ranks in groups]) for i in range(len(groups[0]))]
+    _MADE[key] = (node_pgs, rails)
+    return node_pgs, rails
+
+
+def _alive(pg: Any) -> bool:
+    try:
+        dist.get_world_size(pg)
+        return True
+    except (RuntimeError, ValueError):  # destroyed with the default group (shutdown, then init again)
+        return False
+
+
 def for_parameters(params: Sequence[torch.Tensor], group: Any, want: bool | None, what: str) -> ShmGroup | None:
     """Like :func:`dptrain._shm.for_parameters`, for a job across nodes; collective."""
     nbytes, devices = region_for(params)
@@ -81,9 +106,7 @@ def node_groups(group: Any, nbytes: int, *, what: str, want: bool | None,
     if groups is None:
         return None
     me = dist.get_rank()
-    # Every rank makes every group, in the same order (new_group is collective over the world).
-    node_pgs = [dist.new_group(ranks) for ranks in groups]
-    rails = [dist.new_group([ranks[i] for ranks in groups]) for i in range(len(groups[0]))]
+    node_pgs, rails = _groups(groups)
     mine_at = next(k for k, ranks in enumerate(groups) if me in ranks)
     local = groups[mine_at].index(me)
     shm = ShmGroup.create(node_pgs[mine_at], nbytes, what=what, want=None, devices=devices)

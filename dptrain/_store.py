@@ -177,10 +177,14 @@ class StoreServer:
                     self._accept()
                     continue
                 conn = key.data
-                if events & selectors.EVENT_WRITE:
-                    self._flush(conn)
-                if events & selectors.EVENT_READ and conn in self.conns:
-                    self._read(conn)
+                try:
+                    if events & selectors.EVENT_WRITE:
+                        self._flush(conn)
+                    if events & selectors.EVENT_READ and conn in self.conns:
+                        self._read(conn)
+                except Exception as exc:  # noqa: BLE001 - one bad connection must not stop the store
+                    self._complain(conn, f"{type(exc).__name__}: {exc}")
+                    self._drop(conn)
 
     def _accept(self) -> None:
         while True:
