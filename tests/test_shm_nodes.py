@@ -42,6 +42,7 @@ def test_two_nodes_of_two_ranks_sum_in_shared_memory_in_a_fixed_order_and_train_
     assert sorted(re.findall(r"CHOICE rank (\d) node_groups (\w+)", out)) == [(str(r), "True") for r in range(4)]
     assert sorted(re.findall(r"PRIMITIVE rank (\d) bitwise (\w+)", out)) == [(str(r), "True") for r in range(4)]
     assert sorted(re.findall(r"REUSE rank (\d) (\w+)", out)) == [(str(r), "True") for r in range(4)]
+    assert sorted(re.findall(r"REQUIRED rank (\d) (\w+)", out)) == [(str(r), "True") for r in range(4)]
     trained = re.findall(r"TRAINED rank (\d) maxdiff (\S+) replicas_identical (\w+)", out)
     assert len(trained) == 4
     for _, diff, identical in trained:

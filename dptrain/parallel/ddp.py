@@ -119,7 +119,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         shm: keyword only, not in PyTorch's DDP: all-reduce the gradients through shared
             memory. None (default): when every rank of the group is on this node and the module
-            is on the CPU, unless ``DPTRAIN_SHM=0``; False: never (gloo); True: always,
+            is on the CPU, unless ``DPTRAIN_SHM=0`` (across nodes: one segment per node, see
+            ``DPTRAIN_SHM_NODES`` in the README); False: never (gloo); True: always,
             raising ValueError where it cannot. The same numbers as gloo (bitwise on two
             ranks; in rank order on more). A copy (``copy.deepcopy``, unpickling) reduces
             through gloo: making one needs no collective.
@@ -252,10 +253,20 @@ class DistributedDataParallel(nn.Module, Joinable):
             setup.broadcast_coalesced(tensors, 0, self.process_group)
         params = self._reducer_params()[0]
         if params:  # a collective: every rank decides together whether memory can be shared
-            what = "DDP gradient all-reduce"
-            self._shm = (_shm.for_parameters(params, self.process_group, self._shm_wish, what)
-                         or _shm_nodes.for_parameters(params, self.process_group, self._shm_wish, what))
+            self._shm = self._shared_memory(params)
         self._build_reducer()
+
+    def _shared_memory(self, params: list[torch.Tensor]) -> Any:
+        """One node's shared-memory group, or across nodes each node's (see _shm_nodes), or None."""
+        what, group, wish = "DDP gradient all-reduce", self.process_group, self._shm_wish
+        try:
+            flat = _shm.for_parameters(params, group, wish, what)
+        except ValueError:  # shm=True and one segment for all ranks cannot be: one per node may
+            across = _shm_nodes.for_parameters(params, group, wish, what)
+            if across is None:
+                raise
+            return across
+        return flat or _shm_nodes.for_parameters(params, group, wish, what)
 
     def _check_module(self, module: nn.Module, has_delayed: bool) -> list[nn.Parameter]:
         """The managed parameters; PyTorch's errors for a module DDP cannot train."""

@@ -40,6 +40,8 @@ print(f"CHOICE rank {rank} node_groups {node_sums}", flush=True)
 if node_sums:  # a second DDP reuses the node and rail groups of the first
     again = dptrain.DDP(copy.deepcopy(base))
     print(f"REUSE rank {rank} {again._shm.between is not None and len(_shm_nodes._MADE) == 1}", flush=True)
+    required = dptrain.DDP(copy.deepcopy(base), shm=True)  # one segment per node satisfies shm=True
+    print(f"REQUIRED rank {rank} {required._shm is not None and required._shm.between is not None}", flush=True)
 opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
 for step in range(int(os.environ.get("STEPS", "4"))):
     gen = torch.Generator().manual_seed(rank * 1000 + step)

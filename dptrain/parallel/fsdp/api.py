@@ -94,7 +94,8 @@ class FullyShardedDataParallel(nn.Module):
         ValueError: unknown strategy; a parameter shared between two units; a unit mixing
             dtypes or frozen and trainable parameters; a model that differs between ranks
             (raised on every rank, naming the parameter); an optimizer built before wrapping
-            (at its first ``step()``).
+            (at its first ``step()``); ``shm=True`` where shared memory cannot be used.
+        TypeError: ``module`` is not a module; ``shm`` is not None, True or False.
 
     Example:
         >>> model = FSDP(TinyTransformer(), auto_wrap_policy=ModuleTypePolicy({TransformerBlock}))
