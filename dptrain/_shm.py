@@ -329,7 +329,8 @@ class ShmGroup:
             raise ValueError(f"shared-memory {what} needs CPU tensors, got one on {t.device}")
         room = (self.region_bytes - self._next) // (rows * t.element_size())
         if room < 1:
-            raise ValueError(f"shared-memory {what}: the region has no free space; create the ShmGroup with a larger nbytes")
+            raise ValueError(f"shared-memory {what}: the region has no free space; "
+                             "create the ShmGroup with a larger nbytes")
         return room
 
     def _name(self, tag: str) -> str:

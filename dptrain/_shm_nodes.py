@@ -33,11 +33,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from dptrain import comm
+from dptrain import _shm, comm
 from dptrain._shm import ShmGroup, region_for
 from dptrain._shm_segment import _local_obstacle, _node_identity, shm_disabled_by_env
 
-__all__ = ["for_parameters", "node_groups", "layout"]
+__all__ = ["for_reducer", "for_parameters", "node_groups", "layout"]
 
 
 def _disabled() -> bool:
@@ -80,6 +80,23 @@ def _alive(pg: Any) -> bool:
         return True
     except (RuntimeError, ValueError):  # destroyed with the default group (shutdown, then init again)
         return False
+
+
+def for_reducer(params: Sequence[torch.Tensor], group: Any, want: bool | None, what: str) -> ShmGroup | None:
+    """The shared memory of a reducer of ``params``: one segment for the group when its ranks
+    share a node, else one per node (:func:`for_parameters`), else None; collective.
+
+    Raises:
+        ValueError: ``want`` is True and neither can be used (the one-node reason).
+    """
+    try:
+        flat = _shm.for_parameters(params, group, want, what)
+    except ValueError:  # shm=True and one segment for all ranks cannot be: one per node may
+        across = for_parameters(params, group, want, what)
+        if across is None:
+            raise
+        return across
+    return flat or for_parameters(params, group, want, what)
 
 
 def for_parameters(params: Sequence[torch.Tensor], group: Any, want: bool | None, what: str) -> ShmGroup | None:

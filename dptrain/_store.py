@@ -63,7 +63,8 @@ def use_python_store() -> bool:
     if choice in ("python", "torch"):
         return choice == "python"
     if choice:
-        raise ValueError(f"DPTRAIN_STORE={choice!r}: use 'python' (dptrain's store server) or 'torch' (torch's TCPStore)")
+        raise ValueError(f"DPTRAIN_STORE={choice!r}: use 'python' (dptrain's store server) "
+                         "or 'torch' (torch's TCPStore)")
     return _torch_version() <= TESTED_TORCH
 
 

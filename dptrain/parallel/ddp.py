@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from dptrain import _shm, _shm_nodes
+from dptrain import _shm_nodes
 from dptrain._tensors import move_to_device
 from dptrain.parallel import dp as _dp
 from dptrain.parallel import _ddp_setup as setup
@@ -253,20 +253,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             setup.broadcast_coalesced(tensors, 0, self.process_group)
         params = self._reducer_params()[0]
         if params:  # a collective: every rank decides together whether memory can be shared
-            self._shm = self._shared_memory(params)
+            self._shm = _shm_nodes.for_reducer(params, self.process_group, self._shm_wish, "DDP gradient all-reduce")
         self._build_reducer()
-
-    def _shared_memory(self, params: list[torch.Tensor]) -> Any:
-        """One node's shared-memory group, or across nodes each node's (see _shm_nodes), or None."""
-        what, group, wish = "DDP gradient all-reduce", self.process_group, self._shm_wish
-        try:
-            flat = _shm.for_parameters(params, group, wish, what)
-        except ValueError:  # shm=True and one segment for all ranks cannot be: one per node may
-            across = _shm_nodes.for_parameters(params, group, wish, what)
-            if across is None:
-                raise
-            return across
-        return flat or _shm_nodes.for_parameters(params, group, wish, what)
 
     def _check_module(self, module: nn.Module, has_delayed: bool) -> list[nn.Parameter]:
         """The managed parameters; PyTorch's errors for a module DDP cannot train."""
