@@ -15,6 +15,7 @@ from dptrain._shm_nodes import layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "node_shm.py")
+KILL = os.path.join(ROOT, "tests", "scripts", "node_shm_kill.py")
 
 
 def test_the_layout_needs_two_nodes_of_the_same_size_of_at_least_two():
@@ -25,16 +26,18 @@ def test_the_layout_needs_two_nodes_of_the_same_size_of_at_least_two():
     assert layout(["a", "a", "b"]) is None  # uneven nodes
 
 
-def _run(env_extra):
+def _run(env_extra, script=SCRIPT, ok=True):
     reason = netlink.unavailable()
     if reason:
         pytest.skip(f"two-namespace link not available: {reason}")
     env = dict(os.environ, STEPS="4", **env_extra)
     with netlink.TwoNodeLink("10gbit") as link:
-        results = link.run([SCRIPT], nproc_per_node=2, timeout_s=240, env=env)
+        results = link.run([script], nproc_per_node=2, timeout_s=240, env=env)
     out = "".join(r.stdout for r in results)
-    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
-    return out
+    if ok:
+        assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+        return out
+    return results
 
 
 def test_two_nodes_of_two_ranks_sum_in_shared_memory_in_a_fixed_order_and_train_like_torch():
@@ -54,3 +57,14 @@ def test_dptrain_shm_nodes_0_keeps_gloo():
     out = _run({"DPTRAIN_SHM_NODES": "0"})
     assert sorted(re.findall(r"CHOICE rank (\d) node_groups (\w+)", out)) == [(str(r), "False") for r in range(4)]
     assert "PRIMITIVE" not in out
+
+
+def test_a_rank_that_dies_mid_all_reduce_ends_both_nodes_naming_it():
+    shm_before = set(os.listdir("/dev/shm"))
+    results = _run({}, script=KILL, ok=False)
+    out, err = "".join(r.stdout for r in results), "".join(r.stderr for r in results)
+    assert "CHOICE rank 3 node_groups True" in out
+    assert "trained past" not in out
+    assert [r.returncode != 0 for r in results] == [True, True]
+    assert "rank 3 (local rank 1" in err and "exited with code 7" in err
+    assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("dptrain")}
