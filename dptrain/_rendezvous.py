@@ -182,7 +182,7 @@ class _StoreServer:
 
     def close(self) -> None:
         store, self.store = self.store, None
-        if hasattr(store, "close"):  # ours; torch's stops when its last reference goes
+        if self.ours and store is not None:  # torch's stops when its last reference goes
             store.close()
         try:
             self._sock.close()

@@ -288,7 +288,7 @@ class ShmGroup:
         in pieces when they are larger."""
         n, flat = self.world_size, shard.reshape(-1)
         rows = out.reshape(-1).view(n, flat.numel())
-        room = self._room(shard, "all_gather", 1)
+        room = self._room(shard, "shared-memory all_gather", 1)
         seg, op, offset = self._seg, self._name(tag), self._next
 
         def run() -> None:
@@ -313,7 +313,7 @@ class ShmGroup:
             raise ValueError(f"shared-memory reduce_scatter: {full.numel()} elements do not split into "
                              f"{n} chunks of {out.numel()}")
         rows, flat_out = full.reshape(n, out.numel()), out.reshape(-1)
-        room = self._room(full, "reduce_scatter", n)
+        room = self._room(full, "shared-memory reduce_scatter", n)
         seg, op, offset = self._seg, self._name(tag), self._next
 
         def run() -> None:
@@ -324,12 +324,13 @@ class ShmGroup:
         return self._runner.submit(run)
 
     def _room(self, t: torch.Tensor, what: str, rows: int) -> int:
-        """Elements per row that one piece of a collective on ``t`` can hold in the free space."""
+        """Elements per row that one piece of a collective on ``t`` can hold in the free space
+        (collectives larger than that pass in pieces); ``what`` names it in errors."""
         if t.device.type != "cpu":
-            raise ValueError(f"shared-memory {what} needs CPU tensors, got one on {t.device}")
+            raise ValueError(f"{what} needs CPU tensors, got one on {t.device}")
         room = (self.region_bytes - self._next) // (rows * t.element_size())
         if room < 1:
-            raise ValueError(f"shared-memory {what}: the region has no free space; "
+            raise ValueError(f"{what}: the shared-memory region has no free space; "
                              "create the ShmGroup with a larger nbytes")
         return room
 
@@ -339,9 +340,7 @@ class ShmGroup:
         return f"{seg.what} #{seg.count}{' (' + tag + ')' if tag else ''}"
 
     def _staged_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
-        seg, room = self._seg, (self.region_bytes - self._next) // tensor.element_size()
-        if room < 1:
-            raise ValueError(f"{op}: the shared-memory region has no free space for a staged all-reduce")
+        seg, room = self._seg, self._room(tensor, f"{op} (staged)", 1)
         flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
         seg.settle(op)  # the staging area is where all_gather publishes
         for start in range(0, flat.numel(), room):

@@ -87,3 +87,23 @@ def test_the_shm_argument_turns_it_off_or_requires_it():
     assert [used for used, _ in run_ranks(_train, 2, True, env={"DPTRAIN_SHM": "0"})] == [True, True]
     with pytest.raises(TypeError, match="shm=...\\) takes None, True or False"):
         FSDP(torch.nn.Linear(2, 2), shm="yes")
+
+
+def _nested(rank):
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=32, dim=16, depth=2, heads=2, max_len=8)
+    inner = [FSDP(block) for block in model.blocks]
+    had = [m._shm is not None for m in inner]
+    for i, m in enumerate(inner):
+        model.blocks[i] = m
+    outer = FSDP(model)
+    loss = outer(torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank))).logsumexp(-1).mean()
+    loss.backward()
+    return had, [m._shm for m in inner], {id(u.shm) for u in outer._units} == {id(outer._shm)}
+
+
+def test_nested_fsdp_keeps_one_segment_for_all_units():
+    for had, inner_groups, one in run_ranks(_nested, 2, env=ON):
+        assert had == [True, True]  # each inner wrapper made its own before it was nested...
+        assert inner_groups == [None, None]  # ...and the outer closed them: its own serves every unit
+        assert one

@@ -38,8 +38,7 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Any, world: i
         out.copy_(shard)
         return None
     if shm is not None:
-        work = shm.all_gather_into(out, shard, tag="FSDP all-gather")
-        return work if async_op else work.wait()
+        return _handed_back(shm.all_gather_into(out, shard, tag="FSDP all-gather"), async_op)
     if not _FALLBACK["all_gather"]:
         try:
             return _ALL_GATHER(out, shard, group=group, async_op=async_op)
@@ -58,8 +57,7 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: Any, world
         out.copy_(full)
         return None
     if shm is not None:
-        work = shm.reduce_scatter_into(out, full, tag="FSDP reduce-scatter")
-        return work if async_op else work.wait()
+        return _handed_back(shm.reduce_scatter_into(out, full, tag="FSDP reduce-scatter"), async_op)
     if not _FALLBACK["reduce_scatter"]:
         try:
             return _REDUCE_SCATTER(out, full, group=group, async_op=async_op)
@@ -71,6 +69,14 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: Any, world
     # reduce-scatter; only used when the backend has no reduce_scatter at all).
     comm.wait(dist.all_reduce(full, group=group, async_op=True), "FSDP reduce-scatter (all-reduce fallback)", group)
     out.copy_(full.chunk(world)[rank])
+    return None
+
+
+def _handed_back(work: Any, async_op: bool) -> Any:
+    """A shared-memory collective's result as torch's collectives give it: the work, or None once done."""
+    if async_op:
+        return work
+    work.wait()
     return None
 
 
@@ -90,7 +96,7 @@ def attach_shared_memory(units: Sequence[Any], group: Any, device: torch.device,
     """
     from dptrain._shm import ShmGroup
 
-    sharded = [u for u in units if u.world > 1 and u.shard_numel < u.padded_numel]
+    sharded = [u for u in units if u.shard_numel < u.padded_numel]  # none in a single process
     if not sharded:
         return None
     nbytes = min(max(u.padded_numel * u.dtype.itemsize for u in sharded), SHM_REGION_BYTES)

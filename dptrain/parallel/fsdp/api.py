@@ -152,11 +152,14 @@ class FullyShardedDataParallel(nn.Module):
         for m in inner:  # manually nested FSDP: their units become ours
             m._is_root = False
             self._units.extend(m._units)
+            if m._shm is not None:  # ours serves them all (attach_shared_memory below)
+                m._shm.close()
+                m._shm = None
         self._units.extend(self._flatten_units(module, auto_wrap_policy, sync_module_states))
         for unit in self._units:
             unit.state = self._state
         self._state.units = self._units
-        self._shm = attach_shared_memory(self._units, process_group, self.compute_device, shm) if self._world > 1 else None
+        self._shm = attach_shared_memory(self._units, process_group, self.compute_device, shm)
         install_optimizer_check()
         if self._world > 1 and strategy != ShardingStrategy.NO_SHARD and len(self._units) == 1:
             env._warn_once_main(
