@@ -95,11 +95,16 @@ def main(argv=None) -> float:
     dev_loader = dptrain.prepare_dataloader(dev_set, 256, mode="eval")
     test_loader = dptrain.prepare_dataloader(test_set, 256, mode="eval")
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate, momentum=0.9, weight_decay=5e-4, nesterov=True)
+    # Functions, not objects: the Trainer builds both on the parameters it trains, which under
+    # --strategy fsdp are the sharded flat parameters that exist only after wrapping.
+    def optimizer(params):
+        return torch.optim.SGD(params, lr=args.learning_rate, momentum=0.9, weight_decay=5e-4, nesterov=True)
+
     # One-cycle schedule stepped every optimizer step: fast, stable convergence in few epochs.
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.learning_rate, total_steps=args.num_epochs * len(train_loader), pct_start=0.25
-    )
+    def scheduler(opt):
+        return torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=args.learning_rate, total_steps=args.num_epochs * len(train_loader), pct_start=0.25
+        )
     config = dptrain.TrainerConfig(
         strategy=args.strategy,
         checkpoint_dir=os.path.join(args.model_dir, "checkpoints"),
