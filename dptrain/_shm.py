@@ -23,6 +23,7 @@ order, waiting without spinning, and noticing a dead rank -- is described in
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import weakref
@@ -132,16 +133,26 @@ _RUNNERS: "weakref.WeakSet[_Runner]" = weakref.WeakSet()
 
 def close_all() -> None:
     """End every group's worker thread, after its queued collectives; called by
-    :func:`dptrain.shutdown` (which ``init`` also registers with ``atexit``).
+    :func:`dptrain.shutdown` and at interpreter exit (registered below with ``atexit``).
 
-    The wait is the point: a worker still inside one of torch's kernels when the interpreter
+    [Note: no worker thread at exit]
+    The wait is the point: a worker still inside one of torch's calls when the interpreter
     finalizes is killed as it takes the GIL back, inside a ``noexcept`` C++ frame, and the
     whole process ends in SIGABRT ("terminate called without an active exception") after the
-    script has finished. A queued collective ends by itself: it completes, or fails at the
-    collective timeout or as soon as a missing rank is found dead.
+    script has finished. Even an idle worker gets there: closing its segment frees tensors,
+    and freeing a tensor releases and retakes the GIL. So the hook is registered when this
+    module is loaded, not by ``init``: a process group made by the user with
+    ``init_process_group`` and ended with ``destroy_process_group()`` (or not at all), as
+    in PyTorch's own tests, never calls ``dptrain.shutdown``. The groups' own
+    ``weakref.finalize`` callbacks stay out of exit (``atexit=False``): they stop a worker
+    without waiting for it. A queued collective ends by itself: it completes, or fails at
+    the collective timeout or as soon as a missing rank is found dead.
     """
     for runner in list(_RUNNERS):
         runner.stop(wait=True)
+
+
+atexit.register(close_all)
 
 
 class ShmGroup:
@@ -170,6 +181,7 @@ class ShmGroup:
         self.between: Callable[[torch.Tensor], None] | None = None
         self._runner = _Runner(segment)
         self._finalizer = weakref.finalize(self, self._runner.stop)
+        self._finalizer.atexit = False  # close_all joins the worker at exit instead (see its note)
 
     # ---- construction
     @classmethod
