@@ -1,9 +1,10 @@
 # Two commands set everything up on a fresh machine: `make demo` and `make test`.
 #
-# Torch is installed first and on its own, pinned to the CPU build that pip finds on these
-# machines (torch==2.13.0): letting pip resolve `torch>=2.3` by itself would pull a CUDA
-# build of several GB. A torch that the system Python already has (a GPU user's) is reused:
-# the virtual environment then sees the system's packages.
+# tools/make_venv.py creates .venv. Where `python3` already has torch (a GPU machine's venv,
+# conda env or container), .venv is layered over that Python and reuses its torch and other
+# packages as they are: nothing is replaced or downloaded again. Elsewhere torch is installed
+# first and on its own, pinned to the CPU build that pip finds on these machines
+# (torch==2.13.0): letting pip resolve `torch>=2.4` by itself would pull a CUDA build of several GB.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -12,15 +13,8 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: demo test venv clean bench
 
-$(VENV)/.installed: pyproject.toml
-	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
-	    echo "reusing the installed torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
-	    $(PYTHON) -m venv --system-site-packages $(VENV); \
-	else \
-	    $(PYTHON) -m venv $(VENV); \
-	fi
-	@$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[examples,test]"
+$(VENV)/.installed: pyproject.toml tools/make_venv.py
+	$(PYTHON) tools/make_venv.py --venv "$(VENV)" --torch "$(TORCH_PIN)"
 	@touch $@
 
 venv: $(VENV)/.installed

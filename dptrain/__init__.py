@@ -19,6 +19,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from dptrain import _torch_version
+
+_torch_version.check()  # a clear ImportError for a torch older than dptrain supports
+
 # Imported now (neither needs torch): `dptrain.spawn` must stay the function even after the
 # module of the same name is imported, which rebinds the package attribute.
 from dptrain._errors import RankFailedError

@@ -30,6 +30,8 @@ import threading
 import time
 from collections import deque
 
+from dptrain import _torch_version as _torch_version_module
+
 __all__ = ["StoreServer", "StoreClient", "StoreError", "StoreTimeout", "use_python_store"]
 
 # TCPStore's request codes, in the order of torch's QueryType enum.
@@ -69,13 +71,7 @@ def use_python_store() -> bool:
 
 
 def _torch_version() -> tuple[int, int]:
-    from importlib import metadata
-
-    try:
-        parts = metadata.version("torch").split(".")
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
-    except (metadata.PackageNotFoundError, ValueError, IndexError):
-        return (99, 0)  # unknown: leave it to torch's own server
+    return _torch_version_module.installed() or (99, 0)  # unknown: leave it to torch's own server
 
 
 class _Incomplete(Exception):

@@ -1,0 +1,36 @@
+"""Which torch is installed, read without importing it, and the oldest one dptrain supports.
+
+At the bottom of the import graph: ``import dptrain`` checks the version here (cheaply,
+from the package metadata), and the launcher, which never imports torch, reads it too.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+__all__ = ["MIN_TORCH", "installed", "check"]
+
+#: The oldest torch dptrain supports: 2.4 brought ``torch.is_autocast_enabled(device_type)``
+#: and the ``torch.amp.GradScaler(device)`` form that the Trainer and DataParallel use.
+MIN_TORCH = (2, 4)
+
+
+def installed() -> tuple[int, int] | None:
+    """(major, minor) of the installed torch, from its package metadata; None when unknown
+    (not installed, or a source build without metadata)."""
+    try:
+        parts = metadata.version("torch").split(".")
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (metadata.PackageNotFoundError, ValueError, IndexError):
+        return None
+
+
+def check(found: tuple[int, int] | None = None) -> None:
+    """Raise ``ImportError`` when the installed torch is older than :data:`MIN_TORCH`."""
+    found = installed() if found is None else found
+    if found is not None and found < MIN_TORCH:
+        have = metadata.version("torch") if found == installed() else ".".join(map(str, found))
+        need = ".".join(map(str, MIN_TORCH))
+        raise ImportError(f"dptrain needs torch {need} or newer, but torch {have} is installed; "
+                          f"upgrade it in this environment (pip install 'torch>={need}'), or use an "
+                          f"environment that has a newer torch")
