@@ -1,11 +1,15 @@
 """Step time and memory on GPUs (NCCL): our DDP against PyTorch's, our FSDP against FSDP2.
 
-One rank per visible GPU, through ``dptrain.spawn``. Each wrapper trains its own identical
-copy; steps alternate between the two in the same processes (ours, theirs, ours, ...) so
-both see the same machine, and the table gives median step times (the slowest rank's, with
-``torch.cuda.synchronize``), the ratio ours/theirs and the peak memory each allocated.
+One rank per visible GPU, through ``dptrain.spawn`` (one GPU too: a world of one has its
+process group, so our DDP runs the reducer and all-reduce path of N ranks, not a shortcut).
+Each wrapper trains its own identical copy; steps alternate between the two in the same
+processes (ours, theirs, ours, ...) so both see the same machine, and the table gives median
+step times (the slowest rank's, with ``torch.cuda.synchronize``), the ratio ours/theirs and
+the peak memory each allocated. The default workload is a GPT-2-small-sized transformer
+(12 layers of width 768, 12 heads, vocabulary 8192, batch 8x512 tokens, bf16 autocast, AdamW).
 
-    .venv/bin/python benchmarks/gpu_step.py [--steps 30] [--width 4096]
+    .venv/bin/python benchmarks/gpu_step.py [--model gpt|mlp] [--steps 30] [--nproc N]
+    .venv/bin/python benchmarks/gpu_step.py --cpu --width 64 --depth 2 --heads 2 --vocab 128 --context 16 --steps 2
 """
 
 from __future__ import annotations
@@ -29,7 +33,51 @@ def _mlp(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-def _time_steps(models: dict, batch: torch.Tensor, steps: int) -> dict[str, list[float]]:
+class _GPT(nn.Module):
+    """A GPT-2-small-shaped decoder: token and position embeddings, pre-norm blocks with a
+    causal mask, and a head over the vocabulary (issue 20's workload)."""
+
+    def __init__(self, vocab: int, width: int, depth: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True,
+                                                               norm_first=True, activation="gelu") for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        n = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(n, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=idx.device)
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.head(self.norm(x))
+
+
+def _workload(args: argparse.Namespace, device: torch.device):
+    """(a function making a fresh identical model, the batch, the loss, the unit FSDP wraps)."""
+    if args.model == "gpt":
+        def make():
+            torch.manual_seed(0)
+            return _GPT(args.vocab, args.width, args.depth, args.heads, args.context)
+        g = torch.Generator().manual_seed(1)
+        batch = torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=g).to(device)
+
+        def loss(model):
+            logits = model(batch[:, :-1])
+            return nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        return make, loss, nn.TransformerEncoderLayer
+    batch = torch.randn(args.batch, args.width, device=device)
+    return (lambda: _mlp(args.width, args.depth)), (lambda model: model(batch).float().pow(2).mean()), nn.Linear
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(models: dict, loss, steps: int, device: torch.device, amp: bool) -> dict[str, list[float]]:
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     times: dict[str, list[float]] = {name: [] for name in models}
     names = list(models)
@@ -37,65 +85,93 @@ def _time_steps(models: dict, batch: torch.Tensor, steps: int) -> dict[str, list
         for name in names if step % 2 == 0 else names[::-1]:
             model, opt = models[name], opts[name]
             dist.barrier()
-            torch.cuda.synchronize()
+            _sync(device)
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            model(batch).float().pow(2).mean().backward()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                value = loss(model)
+            value.backward()
             opt.step()
-            torch.cuda.synchronize()
-            took = torch.tensor([time.perf_counter() - t0], device=batch.device)
+            _sync(device)
+            took = torch.tensor([time.perf_counter() - t0], device=device)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if step >= 2:
                 times[name].append(float(took))
     return times
 
 
-def _rank(rank: int, width: int, depth: int, steps: int) -> dict:
-    dptrain.init(backend="nccl")
+def _peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
+
+
+def _rank(rank: int, args: argparse.Namespace) -> dict:
+    # Under dptrain.spawn every rank, one GPU's included, has its process group (a world of
+    # one too), so PyTorch's DDP works beside ours and ours runs the reducer path of N ranks.
+    dptrain.init(backend="gloo" if args.cpu else "nccl")
     device = dptrain.device()
-    batch = torch.randn(64, width, device=device)
+    make, loss, unit = _workload(args, device)
+    amp = not args.cpu and args.model == "gpt"
+    ids = [device.index] if device.type == "cuda" else None
     out = {}
-    ddp = {"ours": dptrain.DDP(_mlp(width, depth).to(device), device_ids=[device.index]),
-           "torch": nn.parallel.DistributedDataParallel(_mlp(width, depth).to(device), device_ids=[device.index])}
-    out["ddp"] = {k: statistics.median(v) for k, v in _time_steps(ddp, batch, steps).items()}
+    ddp = {"ours": dptrain.DDP(make().to(device), device_ids=ids),
+           "torch": nn.parallel.DistributedDataParallel(make().to(device), device_ids=ids)}
+    out["ddp"] = {k: statistics.median(v) for k, v in _time_steps(ddp, loss, args.steps, device, amp).items()}
     del ddp
     from torch.distributed.fsdp import fully_shard
 
-    from dptrain.parallel.fsdp import ParamCountPolicy
+    from dptrain.parallel.fsdp import ModuleTypePolicy
 
     peak = {}
     for name in ("ours", "fsdp2"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        _peak_reset(device)
         if name == "ours":
-            model = dptrain.FSDP(_mlp(width, depth), auto_wrap_policy=ParamCountPolicy(width * width // 2), device_id=device)
+            model = dptrain.FSDP(make(), auto_wrap_policy=ModuleTypePolicy({unit}), device_id=device)
         else:
-            model = _mlp(width, depth).to(device)
-            for layer in model:
-                if isinstance(layer, nn.Linear):
+            model = make().to(device)
+            for layer in model.modules():
+                if isinstance(layer, unit):
                     fully_shard(layer)
             fully_shard(model)
-        t = _time_steps({name: model}, batch, steps)[name]
-        peak[name] = (statistics.median(t), torch.cuda.max_memory_allocated(device) / 2**20)
+        t = _time_steps({name: model}, loss, args.steps, device, amp)[name]
+        peak[name] = (statistics.median(t), _peak(device))
         del model
     out["fsdp"] = peak
     dptrain.shutdown()
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("gpt", "mlp"), default="gpt",
+                   help="gpt (default): 12 layers of width 768, 12 heads, vocabulary 8192, bf16 autocast; "
+                        "mlp: --depth Linear layers of --width")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--width", type=int, default=4096)
-    p.add_argument("--depth", type=int, default=8)
-    args = p.parse_args()
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8, help="sequences (gpt) or rows (mlp) per rank")
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: one per GPU)")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU over gloo (a smoke run of this script)")
+    args = p.parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus < 1:
-        print("no CUDA device: nothing to measure")
+    if not args.cpu and gpus < 1:
+        print("no CUDA device: nothing to measure (--cpu runs this script on the CPU)")
         return
-    res = dptrain.spawn(_rank, gpus, args=(args.width, args.depth, args.steps), timeout=1800)[0]
-    print(f"{gpus} GPU(s) ({torch.cuda.get_device_name(0)}), MLP {args.depth}x{args.width}, batch 64/rank, AdamW, "
-          f"{args.steps} alternating steps")
+    nproc = args.nproc or (1 if args.cpu else gpus)
+    res = dptrain.spawn(_rank, nproc, args=(args,), timeout=1800)[0]
+    where = "CPU (gloo)" if args.cpu else f"{torch.cuda.get_device_name(0)} (NCCL)"
+    shape = (f"GPT {args.depth}x{args.width}, {args.heads} heads, vocab {args.vocab}, batch {args.batch}x{args.context}"
+             f"{'' if args.cpu else ', bf16 autocast'}" if args.model == "gpt"
+             else f"MLP {args.depth}x{args.width}, batch {args.batch}/rank")
+    print(f"{nproc} rank(s) on {where}, torch {torch.__version__}, {shape}, AdamW, {args.steps} alternating steps")
     print()
     print("| wrapper | median step (ms) | ours / theirs | peak memory (MiB) |")
     print("| --- | --- | --- | --- |")

@@ -209,7 +209,11 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
 
     Reads torchrun's variables (also set by ``dptrain run`` and ``dptrain.spawn``), or
     Slurm's under ``srun``; with neither, this is a single process (world size 1) and no
-    process group is created -- every dptrain collective then works locally. Calling
+    process group is created -- every dptrain collective then works locally, and
+    ``dptrain.DDP`` is the plain module. Under a launcher, a world of one still gets its
+    process group (``torchrun --nproc-per-node 1``, ``dptrain.spawn(fn, 1)``), as
+    ``init_process_group`` would create it: a script that builds PyTorch's DDP or calls
+    ``torch.distributed`` runs there unchanged. Calling
     ``init`` again is a no-op that returns the same world. A process group created by
     the user with ``torch.distributed.init_process_group`` is adopted as it is.
 
@@ -259,7 +263,11 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         if not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs CUDA, which is not available here; use backend='gloo'")
         torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
-    if world.is_distributed:
+    # A launcher's world of one (torchrun --nproc-per-node 1, dptrain run, dptrain.spawn(fn, 1))
+    # gets its process group too, as init_process_group gives it there: PyTorch's DDP and
+    # torch.distributed calls in the script then work unchanged, and our DDP runs the same
+    # reducer path as at N ranks. A plain `python script.py` makes none (nothing to join).
+    if world.is_distributed or (world.source == "torchrun" and world.master_addr is not None):
         _STATE.store = _join_job(world, chosen, td)
         _STATE.owns_group = True
         _diagnostics.configure(_STATE.store, td)  # what the guarded collectives need to explain a failure

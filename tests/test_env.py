@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import dptrain
@@ -131,6 +132,25 @@ def _whoami(rank):
 def test_init_from_torchrun_environment():
     out = run_ranks(_whoami, 3)
     assert out == [(r, r, 3, r, True, 3, "torchrun", r == 0) for r in range(3)]
+
+
+def _torch_ddp_in_a_world_of_one(rank):
+    # What benchmarks/gpu_step.py does on one GPU: PyTorch's DDP beside ours, in a world of one.
+    torch.manual_seed(0)
+    theirs = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    torch.manual_seed(0)
+    ours = dptrain.DDP(torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    for model in (theirs, ours):
+        model(x).sum().backward()
+    return (dist.is_initialized(), dist.get_world_size(), dptrain.get_world().source, ours.reducer is not None,
+            torch.equal(theirs.module.weight.grad, ours.module.weight.grad))
+
+
+def test_a_launchers_world_of_one_has_a_process_group_for_pytorchs_ddp():
+    # torchrun --nproc-per-node 1 / dptrain.spawn(fn, 1): the default process group exists, as
+    # init_process_group makes it there; our DDP reduces through it as at N ranks.
+    assert run_ranks(_torch_ddp_in_a_world_of_one, 1) == [(True, 1, "torchrun", True, True)]
 
 
 _SLURM_CHILD = r"""

@@ -42,7 +42,9 @@ def read(env: Mapping[str, str]) -> dict[str, Any]:
     if local >= local_world:
         raise ValueError(f"environment variable LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}; {HINT}")
     addr = port = None
-    if world > 1:
+    # Required at two ranks or more; a launcher's world of one gives them too (and then gets
+    # its process group, see dptrain.init), a hand-set RANK=0 WORLD_SIZE=1 need not.
+    if world > 1 or ("MASTER_ADDR" in env and "MASTER_PORT" in env):
         addr = env.get("MASTER_ADDR")
         if not addr:
             raise ValueError(f"environment variable MASTER_ADDR is not set (WORLD_SIZE={world}); {HINT}")
