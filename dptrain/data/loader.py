@@ -146,7 +146,8 @@ def prepare_dataloader(
         persistent_workers: keep workers alive between epochs (needs ``num_workers > 0``).
             Default False.
         pin_memory: page-locked batches for fast copies to the GPU. Default: True when
-            CUDA is available, else False.
+            this rank computes on a GPU (:func:`dptrain.device` is CUDA: an NCCL job, or
+            CUDA present and ``init`` not told ``backend="gloo"``), else False.
         collate_fn: merges samples into a batch. Default: PyTorch's default collate.
         **kw: ``num_replicas`` and ``rank`` go to the sampler (default: the current
             world); everything else (``prefetch_factor``, ``worker_init_fn``, ``timeout``,
@@ -192,8 +193,8 @@ def prepare_dataloader(
         sampler = DistributedSampler(dataset, num_replicas, rank, shuffle=False, seed=seed, drop_last=False, pad=False)
     else:
         sampler = DistributedSampler(dataset, num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-    if pin_memory is None:
-        pin_memory = torch.cuda.is_available()
+    if pin_memory is None:  # the device follows the job's settings, not merely CUDA's presence
+        pin_memory = env.device().type == "cuda"
     return DistributedDataLoader(
         dataset,
         sampler=sampler,
