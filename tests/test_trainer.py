@@ -138,14 +138,14 @@ def test_fit_single_process_history_best_and_export(tmp_path):
     assert t.strategy == "none" and t.model is not None
     summary = t.fit(3)
     hist = summary["history"]
-    assert [h["epoch"] for h in hist] == [0, 1, 2]
+    assert [h["epoch"] for h in hist] == [1, 2, 3]  # from 1, as printed
     assert all(h["time_s"] > 0 and 0 <= h["dev_accuracy"] <= 1 for h in hist)
     # the LR schedule ran once per epoch: StepLR(step_size=2, gamma=0.5)
     assert [h["lr"] for h in hist] == [0.05, 0.05, 0.025]
     best = max(range(3), key=lambda e: (hist[e]["dev_accuracy"], -e))
-    assert summary["best"] == {"epoch": best, "metric": "accuracy", "value": hist[best]["dev_accuracy"]}
+    assert summary["best"] == {"epoch": best + 1, "metric": "accuracy", "value": hist[best]["dev_accuracy"]}
     on_disk = checkpoint.load(tmp_path / "ck" / "best.pt")
-    assert on_disk["epoch"] == best and _same(on_disk["model"], t.best_state)
+    assert on_disk["epoch"] == best + 1 and _same(on_disk["model"], t.best_state)
     exported = checkpoint.load_safetensors(tmp_path / "w.safetensors")
     assert _same(exported, {k: v for k, v in t.best_state.items()})
     names = sorted(os.listdir(tmp_path / "ck"))
@@ -289,7 +289,7 @@ def test_two_rank_checkpoint_loads_into_plain_model_one_rank_and_three_ranks(tmp
         assert res["world"] == 3 and res["epoch"] == 3
         assert _same(res["loaded"], trained)
         assert _same(_weights(res["after"]), _weights(three[0]["after"]))  # DDP keeps the replicas equal
-        assert [h["epoch"] for h in res["history"]] == [0, 1, 2]
+        assert [h["epoch"] for h in res["history"]] == [1, 2, 3]
 
 
 def _fsdp_ranks(rank, cdir):

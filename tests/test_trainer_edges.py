@@ -253,9 +253,9 @@ def test_nan_on_one_rank_stops_every_rank_in_the_same_step(tmp_path):
 
 def test_best_model_ignores_a_nan_metric():
     t = _trainer(None)
-    t._update_best({"accuracy": 0.5, "loss": 1.0}, 0)
-    t._update_best({"accuracy": float("nan"), "loss": float("nan")}, 1)
-    assert t.best_epoch == 0 and t.best_metric == 0.5
+    t._update_best({"accuracy": 0.5, "loss": 1.0}, 1)
+    t._update_best({"accuracy": float("nan"), "loss": float("nan")}, 2)
+    assert t.best_epoch == 1 and t.best_metric == 0.5
 
 
 def test_early_stopping_stops_and_reports(tmp_path):

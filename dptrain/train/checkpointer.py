@@ -30,8 +30,10 @@ from dptrain.env import _warn_once_main
 __all__ = ["Checkpointer", "CHECKPOINT_FORMAT", "notice"]
 
 #: ``format`` of a Trainer checkpoint. Version 1 (one dict with the progress at the top
-#: level and every rank's FSDP optimizer shard inside) is still read.
-CHECKPOINT_FORMAT = "dptrain.trainer/2"
+#: level and every rank's FSDP optimizer shard inside) and version 2 (epochs in the history
+#: and the best epoch counted from 0) are still read.
+CHECKPOINT_FORMAT = "dptrain.trainer/3"
+_FORMAT_V2 = "dptrain.trainer/2"
 _FORMAT_V1 = "dptrain.trainer/1"
 BEST_NAME = "best.pt"
 
@@ -236,8 +238,8 @@ class Checkpointer:
         state = ckpt.load(path, map_location=map_location)
         fmt = state.get("format") if isinstance(state, Mapping) else None
         if fmt == _FORMAT_V1:
-            return _from_format_v1(state, self.rank, self.world_size, path)
-        if fmt != CHECKPOINT_FORMAT:
+            return _from_format_v2(_from_format_v1(state, self.rank, self.world_size, path))
+        if fmt not in (CHECKPOINT_FORMAT, _FORMAT_V2):
             raise ValueError(
                 f"{path!r} is not a dptrain Trainer checkpoint (format {fmt!r}); to load bare weights use "
                 f"dptrain.checkpoint.load_model_state(model, dptrain.checkpoint.load(path))"
@@ -251,7 +253,7 @@ class Checkpointer:
                     f"dptrain.checkpoint.load(path)['model'])"
                 )
             state.update(ckpt.load(ckpt.shard_path(path, self.rank, saved_world), map_location=map_location))
-        return state
+        return _from_format_v2(state) if fmt == _FORMAT_V2 else state
 
     def read_first_readable(self, candidates: list[str], map_location: Any) -> tuple[str | None, dict | None]:
         """Read the first candidate every rank can read; name each one skipped and why.
@@ -292,7 +294,7 @@ def _from_format_v1(state: dict[str, Any], rank: int, world_size: int, path: str
     """A format-1 checkpoint (one flat dict) in today's layout."""
     tr = state["trainer"]
     out = {
-        "format": CHECKPOINT_FORMAT,
+        "format": _FORMAT_V2,
         "world_size": state["world_size"],
         "model": state["model"],
         "scheduler": state.get("scheduler"),
@@ -317,3 +319,16 @@ def _from_format_v1(state: dict[str, Any], rank: int, world_size: int, path: str
         out["optimizer"] = state["optimizer"]
     return out
 
+
+
+def _from_format_v2(state: dict[str, Any]) -> dict[str, Any]:
+    """A format-2 checkpoint (epochs of the history and the best epoch from 0) in today's numbering."""
+    progress = state["train_state"]
+    progress["history"] = [{**h, "epoch": h["epoch"] + 1} if "epoch" in h else h for h in progress["history"]]
+    if progress.get("best_epoch") is not None:
+        progress["best_epoch"] += 1
+    early = (state.get("callbacks") or {}).get("EarlyStopping")
+    if early and early.get("best_epoch") is not None:
+        early["best_epoch"] += 1
+    state["format"] = CHECKPOINT_FORMAT
+    return state

@@ -45,8 +45,9 @@ class TrainState:
         batch_in_epoch: batches of ``epoch`` already trained.
         global_step: optimizer steps so far (skipped non-finite steps not counted).
         skipped_steps: optimizer steps dropped by ``nan_policy="skip"``.
-        history: one dict per finished epoch.
-        best_metric, best_epoch: the best dev value so far and its epoch (None before any).
+        history: one dict per finished epoch; its ``"epoch"`` counts from 1, as everywhere a
+            user reads an epoch (``epoch`` here is an index: the epochs done so far).
+        best_metric, best_epoch: the best dev value so far and its epoch, from 1 (None before any).
         loss_sum, sample_count: this rank's running loss sum and sample count of ``epoch``.
     """
 

@@ -263,6 +263,7 @@ class Trainer:
 
         Returns:
             ``{"history": [per-epoch dicts], "best": {"epoch", "metric", "value"} or None,
+            (epochs counted from 1, as in the printed lines, checkpoint names and best.pt)
             "test": {metrics} or None, "global_step": int, "stopped": reason or None}``; the
             same on every rank.
 
@@ -336,8 +337,6 @@ class Trainer:
         if cfg.export_safetensors:
             self.export_safetensors(cfg.export_safetensors)
         final = dict(self.history[-1]) if self.history else {}
-        if "epoch" in final:
-            final["epoch"] = final["epoch"] + 1  # epochs are counted from 1 where users read them
         if test:
             final.update({f"test/{k}": v for k, v in test.items()})
         self.log.hparams({**cfg.to_dict(), **self.hparams, "world_size": self.world.world_size}, final)
@@ -454,7 +453,7 @@ class Trainer:
             signalled = self._preemption.signal or 0
             losses, norms, flags = gather_step_values(step_loss, norm if self.scaler is None else None, self.device,
                                                       signalled)
-            info = StepInfo(self.global_step + 1, self.epoch, batch, num_batches, losses, norms)
+            info = StepInfo(self.global_step + 1, self.epoch + 1, batch, num_batches, losses, norms)
             self._call("on_before_optimizer_step", info)
             self._note_preemption(flags, info.step)
         skip = info is not None and info.skip
@@ -493,7 +492,7 @@ class Trainer:
                               torch.tensor(float(self.state.sample_count), dtype=torch.float64, device=self.device)])
         comm.all_reduce(totals, op="sum")
         record: dict[str, Any] = {
-            "epoch": epoch,
+            "epoch": epoch + 1,  # counted from 1, as everywhere a user reads an epoch
             "train_loss": float(totals[0] / max(float(totals[1]), 1.0)),
             "time_s": elapsed,
             "samples_per_s": float(totals[1]) / elapsed if start == 0 and elapsed > 0 else float("nan"),
@@ -502,7 +501,7 @@ class Trainer:
         if self.dev_loader is not None:
             dev = self.evaluate(self.dev_loader)
             record.update({f"dev_{k}": v for k, v in dev.items()})
-            self._update_best(dev, epoch)
+            self._update_best(dev, epoch + 1)
             self._call("on_evaluate", "dev", dev)
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.scheduler.step()
@@ -520,7 +519,7 @@ class Trainer:
 
     def _log_epoch(self, record: dict[str, Any], max_epochs: int) -> None:
         dev = {k[4:]: v for k, v in record.items() if k.startswith("dev_")}
-        text = f"epoch {record['epoch'] + 1}/{max_epochs} | train loss {record['train_loss']:.4f}"
+        text = f"epoch {record['epoch']}/{max_epochs} | train loss {record['train_loss']:.4f}"
         if dev:
             text += " | dev " + format_metrics(dev)
         rate = record["samples_per_s"]
@@ -528,11 +527,11 @@ class Trainer:
         if self.state.skipped_steps:
             text += f" | {self.state.skipped_steps} non-finite step(s) skipped so far"
         self.log.line(text)
-        scal = {"train/loss": record["train_loss"], "train/epoch_time_s": record["time_s"], "train/epoch": record["epoch"] + 1}
+        scal = {"train/loss": record["train_loss"], "train/epoch_time_s": record["time_s"], "train/epoch": record["epoch"]}
         if math.isfinite(rate):
             scal["train/samples_per_s"] = rate
         scal.update({f"dev/{k}": v for k, v in dev.items()})
-        self.log.scalars(scal, self.global_step, record["epoch"] + 1)
+        self.log.scalars(scal, self.global_step, record["epoch"])
 
     # -------------------------------------------------------------------- evaluation ----
     def evaluate(self, data: Any = None) -> dict[str, float]:
