@@ -540,7 +540,9 @@ class Trainer:
         Each rank runs its shard (the eval loader partitions without padding; a rank may
         have no sample at all), then the outputs and targets are gathered in dataset order
         with :func:`dptrain.gather_results`; the loss and ``metric_fn`` are computed on the
-        whole set, identically on every rank. Collective: call it on every rank.
+        whole set, identically on every rank. Every rank first takes rank 0's buffers
+        (BatchNorm's running statistics), so one and the same model is evaluated everywhere.
+        Collective: call it on every rank.
 
         Returns:
             ``{"loss": float, **metrics}``.
@@ -548,6 +550,7 @@ class Trainer:
         loader = self.dev_loader if data is None else (data if isinstance(data, torch.utils.data.DataLoader) else self._loader(data, "eval"))
         if loader is None:
             raise ValueError("evaluate() needs data: pass it, or give the Trainer dev_data=...")
+        self.strategy.sync_buffers(self.model)  # one model state on every rank (BatchNorm statistics)
         return evaluation.evaluate(
             self.strategy.eval_module(self.model), loader, device=self.device, lockstep=self.strategy.lockstep_eval,
             autocast=self._autocast, loss_fn=self.loss_fn, metric_fn=self.metric_fn, rank=self.rank,
