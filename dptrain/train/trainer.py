@@ -160,6 +160,7 @@ class Trainer:
     history = _parts.delegate("history")
     best_metric = _parts.delegate("best_metric")
     best_epoch = _parts.delegate("best_epoch")
+    best_step = _parts.delegate("best_step")
 
     # ------------------------------------------------------------------ construction ----
     def _loader(self, data: Any, mode: str):
@@ -569,7 +570,7 @@ class Trainer:
         better = self.best_metric is None or (value > self.best_metric if self.config.best_mode == "max" else value < self.best_metric)
         if not better:
             return
-        self.best_metric, self.best_epoch = value, epoch
+        self.best_metric, self.best_epoch, self.best_step = value, epoch, self.global_step
         self.best_state = {k: v.detach().to("cpu").clone() for k, v in self.model_state_dict(rank0_only=False).items()}
         self.checkpointer.save_best(
             {"model": self.best_state, "epoch": epoch, "metric": key, "value": value, "global_step": self.global_step}
