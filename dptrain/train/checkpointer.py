@@ -19,13 +19,12 @@ pruned: the newest complete checkpoint stays.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
-import time
 from typing import Any, Mapping
 
 from dptrain import checkpoint as ckpt
 from dptrain import comm, env
-from dptrain.env import _warn_once_main
 
 __all__ = ["Checkpointer", "CHECKPOINT_FORMAT", "notice"]
 
@@ -36,6 +35,8 @@ CHECKPOINT_FORMAT = "dptrain.trainer/3"
 _FORMAT_V2 = "dptrain.trainer/2"
 _FORMAT_V1 = "dptrain.trainer/1"
 BEST_NAME = "best.pt"
+#: Where a fresh run moves an earlier run's checkpoints (only the latest earlier run is kept).
+PREVIOUS_RUN = "previous-run"
 
 
 def notice(message: str) -> None:
@@ -213,17 +214,23 @@ class Checkpointer:
         if not (self.directory and self.rank == 0 and ckpt.list_checkpoints(self.directory)):
             return
         # A fresh run must not mix with an old one's files (the newest by step would win a
-        # later resume, and pruning would delete the new ones): move them aside.
-        aside = os.path.join(self.directory, "superseded-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
-        os.makedirs(aside, exist_ok=True)
+        # later resume, and pruning would delete the new ones): move them aside, into one
+        # folder that holds only the latest earlier run, so running again and again (`make
+        # demo` twice) never piles up copies.
+        aside = os.path.join(self.directory, PREVIOUS_RUN)
+        replaced = os.path.isdir(aside)
+        if replaced:
+            shutil.rmtree(aside)
+        os.makedirs(aside)
         for old in ckpt.list_checkpoints(self.directory):
             for part in ckpt._shards_of(self.directory, os.path.basename(old)) + [old]:
                 os.replace(part, os.path.join(aside, os.path.basename(part)))
         if os.path.exists(self.best_path):
             os.replace(self.best_path, os.path.join(aside, BEST_NAME))
-        _warn_once_main(
-            f"checkpoint_dir {self.directory!r} already held checkpoints of an earlier run; starting fresh and moving them "
-            f"to {aside!r}. Pass resume='auto' (the examples' --resume) to continue from the newest instead"
+        notice(
+            f"checkpoint_dir {self.directory!r} held checkpoints of an earlier run; starting fresh and moving them to "
+            f"{aside!r}{' (replacing the run kept there)' if replaced else ''}. Pass resume='auto' (the examples' "
+            f"--resume) to continue from the newest instead"
         )
 
     # -- loading ----------------------------------------------------------------------
