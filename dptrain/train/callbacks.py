@@ -123,6 +123,8 @@ class Callback:
 class NonFiniteError(RuntimeError):
     """A loss or gradient norm was NaN or infinite; raised identically on every rank."""
 
+    _dptrain_every_rank = True  # rank 0 alone prints it (dptrain.train.report)
+
 
 class NonFiniteGuard(Callback):
     """``TrainerConfig(nan_policy=...)``: stop, or skip, a step whose loss or gradient norm is not finite.

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from dptrain import checkpoint as ckpt
 from dptrain import comm, env
+from dptrain.train.report import on_every_rank
 
 __all__ = ["Checkpointer", "CHECKPOINT_FORMAT", "notice"]
 
@@ -110,7 +111,7 @@ class Checkpointer:
                 )
         error = comm.broadcast_object(error, src=0)
         if error:
-            raise ckpt.CheckpointError(error)
+            raise on_every_rank(ckpt.CheckpointError(error))
 
     # -- saving -----------------------------------------------------------------------
     def save(self, states: Mapping[str, Any], path: str | None = None, *, epoch: int = 0, step: int = 0,
@@ -164,7 +165,7 @@ class Checkpointer:
             exc = err_type(f"saving checkpoint {path!r} failed ({text}).{kept}")
             if kind == "space":
                 exc.errno = 28  # ENOSPC, as the OSError it also is
-            raise exc
+            raise on_every_rank(exc)
         return path
 
     def save_best(self, payload: dict[str, Any]) -> None:
@@ -290,11 +291,11 @@ class Checkpointer:
         if not candidates:
             return None, None
         if len(candidates) == 1:
-            raise ckpt.CheckpointError(skipped[0][1])
-        raise ckpt.CheckpointError(
+            raise on_every_rank(ckpt.CheckpointError(skipped[0][1]))
+        raise on_every_rank(ckpt.CheckpointError(
             f"none of the {len(candidates)} checkpoints in {self.directory!r} can be read: "
             + "; ".join(f"{path!r}: {why}" for path, why in skipped)
-        )
+        ))
 
 
 def _from_format_v1(state: dict[str, Any], rank: int, world_size: int, path: str) -> dict[str, Any]:

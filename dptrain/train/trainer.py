@@ -37,6 +37,7 @@ from dptrain.train.config import TrainerConfig
 from dptrain.train.log import TrainerLog, format_metrics
 from dptrain.train.preemption import Preempted, PreemptionWatcher, in_slurm_job, requeue_job
 from dptrain.train.profile import StepProfiler
+from dptrain.train.report import install_excepthook
 from dptrain.train.state import TrainState
 from dptrain.train.strategy import build_scheduler, make_strategy
 
@@ -108,6 +109,7 @@ class Trainer:
         hparams: Mapping[str, Any] | None = None,
         callbacks: Iterable[Callback] | None = None,
     ) -> None:
+        install_excepthook()  # its user errors as one line for the job: see [Note: user errors]
         self.config = config if config is not None else TrainerConfig()
         if not isinstance(self.config, TrainerConfig):
             raise ValueError(f"config must be a dptrain.TrainerConfig, got {type(self.config).__name__}")
