@@ -44,3 +44,41 @@ def test_a_user_error_is_one_line_for_the_job_and_the_traceback_needs_debug(tmp_
     assert "--debug" in out  # how to see the traceback
     debug = _launch(tmp_path, "--debug")
     assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stdout + debug.stderr
+
+
+TORCH_WORDS = ("PytorchStreamReader", "miniz", "Errno", "hasRecord", "codec")
+
+
+def _damaged_copies(tmp_path):
+    import torch
+    from dptrain import checkpoint
+
+    good = checkpoint.save({"model": {f"w{i}": torch.randn(40, 40) for i in range(3)}}, tmp_path / "good.pt")
+    data = open(good, "rb").read()
+    mid = len(data) // 2
+    copies = {
+        "cut short": data[:mid],
+        "does not begin": b"\x00" * 8 + data[8:],
+        "damaged inside": data[:10] + bytes(b ^ 0xFF for b in data[10:200]) + data[200:],
+    }
+    paths = {}
+    for what, content in copies.items():
+        paths[what] = tmp_path / (what.replace(" ", "-") + ".pt")
+        paths[what].write_bytes(content)
+    return paths
+
+
+def test_a_damaged_checkpoint_is_said_whole_in_our_words(tmp_path):
+    import pytest
+
+    from dptrain import checkpoint
+
+    expected = {"cut short": "is truncated: its end is missing", "does not begin": "does not begin as a PyTorch checkpoint",
+                "damaged inside": "is corrupt"}
+    for what, path in _damaged_copies(tmp_path).items():
+        with pytest.raises(checkpoint.CheckpointError) as err:
+            checkpoint.load(path)
+        text = str(err.value)
+        assert expected[what] in text, (what, text)
+        assert not any(w in text for w in TORCH_WORDS), (what, text)  # torch's text, cut at 200 characters, is gone
+        assert text.endswith("(see dptrain.checkpoint.list_checkpoints)"), text
