@@ -280,7 +280,7 @@ class Trainer:
         self.log = TrainerLog(
             self.rank == 0, cfg.log_dir, cfg.progress, cfg.verbose,
             resume_step=self.global_step if self.resumed_from else None,
-            metrics_path=cfg.metrics_path, progress_interval_s=cfg.progress_interval_s,
+            metrics_path=cfg.metrics_path, progress_interval_s=cfg.progress_interval_s, refresh_every=cfg.log_every_steps,
         )  # fmt: skip
         self.stop_reason = None
         self._preempted_by = None
@@ -373,7 +373,6 @@ class Trainer:
         """Train on the epoch's remaining batches; return how many batches of the epoch are done."""
         cfg = self.config
         accum = cfg.gradient_accumulation_steps
-        window_t, window_samples = time.perf_counter(), 0
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         step_sums = []
         prof = self._profiler
@@ -398,19 +397,13 @@ class Trainer:
                 prof.lap("backward")
             step_loss += loss.detach().to(torch.float64)
             step_sums.append((loss.detach(), n))
-            window_samples += n
             b += 1
             if sync:
                 self._after_micro_batches(b, num_batches, step_loss, step_sums, loss)
                 step_loss.zero_()
                 step_sums = []
             if self.log.progress:
-                self.log.update(1, None, None)
-                if b % cfg.log_every_steps == 0 or b == num_batches:
-                    now = time.perf_counter()
-                    rate = window_samples * self.world.world_size / max(now - window_t, 1e-9)
-                    self.log.update(0, float(loss.detach()), rate)
-                    window_t, window_samples = now, 0
+                self.log.update(1, n * self.world.world_size, loss.detach())
             if sync and self.stop_reason is not None:
                 break
             if prof is not None:
