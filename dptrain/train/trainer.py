@@ -44,12 +44,24 @@ from dptrain.train.strategy import build_scheduler, make_strategy
 __all__ = ["Trainer"]
 
 
+def _training_device(model: nn.Module) -> torch.device:
+    """The device a model trains on when the user names none: see ``Trainer(device=...)``."""
+    where = next(iter(model.parameters()), None)
+    if where is None:
+        where = next(iter(model.buffers()), None)
+    place = where.device if where is not None else torch.device("cpu")
+    dist = torch.distributed
+    if place.type == "cpu" and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return _default_device()  # NCCL moves CUDA tensors only: this rank's GPU
+    return place
+
+
 class Trainer:
     """Train a model on every rank of the job: wrap it, feed it, evaluate it, checkpoint it.
 
     Args:
-        model: the plain model; the Trainer moves it to this rank's device and wraps it with
-            ``config.strategy``.
+        model: the plain model, on the device it should train on (see ``device``); the
+            Trainer wraps it with ``config.strategy``.
         optimizer: an optimizer built on ``model.parameters()``, or a callable
             ``params -> optimizer`` (required for ``"fsdp"``, whose parameters only exist
             after wrapping).
@@ -72,7 +84,12 @@ class Trainer:
             from the newest checkpoint that can be read (an unreadable one is skipped with a
             notice and left in place; none at all: a notice, and training starts fresh).
             False: never. A path: that file.
-        device: where to train. Default :func:`dptrain.device` (``cuda:<local_rank>`` or CPU).
+        device: where to train; the model and every batch are moved there. Default None: where
+            the model already is -- a model on the CPU trains on the CPU, one the script moved to
+            ``cuda:1`` trains there; nothing moves to a GPU because one exists. The one exception:
+            a process group on NCCL, which only moves CUDA tensors, puts a CPU model on this
+            rank's GPU (:func:`dptrain.device`). For one GPU per rank pass
+            ``device=dptrain.device()`` (or move the model there first).
         hparams: extra hyper-parameters recorded in TensorBoard's hparams table.
         callbacks: :class:`dptrain.train.Callback` objects, called in order after the
             built-in ones (the NaN guard and early stopping the config asks for).
@@ -116,7 +133,7 @@ class Trainer:
         cfg = self.config
         self.world = get_world()
         self.rank = self.world.rank
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else _training_device(model)
         self.loss_fn = loss_fn
         self.metric_fn = metric_fn
         self.hparams = dict(hparams or {})
@@ -178,6 +195,7 @@ class Trainer:
             return prepare_dataloader(
                 data, batch_size=bs, shuffle=(mode == "train"), num_workers=self.config.num_workers,
                 drop_last=False, mode=mode, seed=self.config.seed,
+                pin_memory=self.device.type == "cuda",  # pinned pages serve copies to a GPU we train on, only
             )
         if isinstance(data, Iterable):
             return data
