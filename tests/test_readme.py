@@ -103,3 +103,31 @@ def test_the_quick_start_commands_run_as_written_from_a_fresh_clone(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"test accuracy over \d+ samples on 2 ranks", done.stdout), done.stdout[-2000:]
     assert _our_install_state() == before, "the test changed this environment's own dptrain install"
+
+
+def _section(title: str) -> str:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else len(text)]
+
+
+def test_the_trainer_section_says_fsdp_needs_a_function_for_the_optimizer():
+    import torch
+    from torch import nn
+
+    import dptrain
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    try:
+        dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, nn.CrossEntropyLoss(),
+                        dptrain.TrainerConfig(strategy="fsdp", batch_size=4, verbose=False))
+    except ValueError as exc:
+        refusal = f"ValueError: {exc}"
+    else:
+        raise AssertionError("the Trainer took an optimizer object for strategy='fsdp'")
+    section = _section("Training with the Trainer")
+    assert refusal in section, "the Trainer section must show the refusal as it prints:\n" + refusal
+    code = "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
+    assert 'strategy="fsdp"' in code and "lambda params:" in code, "show FSDP in the Trainer with an optimizer function"
