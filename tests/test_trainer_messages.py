@@ -39,7 +39,7 @@ def test_a_user_error_is_one_line_for_the_job_and_the_traceback_needs_debug(tmp_
     assert done.returncode == 1, out
     said = [line for line in out.splitlines() if line.startswith("[rank") and "CheckpointError" in line]
     assert len(said) == 1 and said[0].startswith("[rank0] dptrain.checkpoint.CheckpointError: "), out
-    assert "is not a PyTorch checkpoint" in said[0]
+    assert "does not begin as a PyTorch checkpoint" in said[0]
     assert "Traceback" not in out and not any(line.startswith("[rank1]") for line in out.splitlines()), out
     assert "--debug" in out  # how to see the traceback
     debug = _launch(tmp_path, "--debug")
