@@ -19,8 +19,16 @@ $(VENV)/.installed: pyproject.toml tools/make_venv.py
 
 venv: $(VENV)/.installed
 
+# DEMO_ARGS: extra flags for the demo (e.g. `make demo DEMO_ARGS="--num_epochs 2"`).
+DEMO_ARGS ?=
+
 demo: venv
-	$(VENV)/bin/dptrain run --nproc-per-node 2 examples/image_classification.py
+	$(VENV)/bin/dptrain run --nproc-per-node 2 examples/image_classification.py $(DEMO_ARGS)
+	@echo ""
+	@echo "Next: dptrain, torchrun and a python that imports dptrain are in $(VENV). Type"
+	@echo "    source $(VENV)/bin/activate"
+	@echo "    dptrain run --nproc-per-node 2 examples/six_steps.py"
+	@echo "(or call $(VENV)/bin/dptrain and $(VENV)/bin/python directly; README.md, Quick start)"
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -59,7 +59,12 @@ _EXPORTS = {
     "TrainerConfig": "dptrain.train",
 }
 
-_MODULES = {"comm", "checkpoint"}  # exported as modules
+# The subpackages a user reaches as attributes (`dptrain.train.EarlyStopping`): imported on
+# first use like every other name, so `import dptrain` stays cheap and loads no launcher.
+_SUBPACKAGES = ("train", "models", "parallel", "data", "environments")
+_EXPORTS.update({name: f"dptrain.{name}" for name in _SUBPACKAGES})
+
+_MODULES = {"comm", "checkpoint", *_SUBPACKAGES}  # exported as modules
 
 __all__ = [*_EXPORTS, "spawn", "RankFailedError"]
 
@@ -79,7 +84,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from dptrain import checkpoint, comm
+    from dptrain import checkpoint, comm, data, environments, models, parallel, train
     from dptrain.data import DistributedSampler, gather_results, main_process_first, prepare_dataloader
     from dptrain.env import (World, device, get_world, init, is_initialized, is_main_process, local_rank, rank,
                              shutdown, world_size)

@@ -225,14 +225,33 @@ def load(path: str | os.PathLike, map_location: Any = None) -> Any:
     size = os.path.getsize(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(_unpickling_problem(path, size, exc)) from None
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds (zip, struct, EOF, unicode) on bad bytes
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        # Said in our words, whole: torch's texts name its internals and run on for lines.
+        shape = _damage(path, size)
+        if shape is None and isinstance(exc, pickle.UnpicklingError):
+            raise CheckpointError(_unpickling_problem(path, size, exc)) from None
+        what = shape or f"is corrupt: part of its content does not decode (torch.load raised {type(exc).__name__})"
         raise CheckpointError(
-            f"checkpoint {path!r} ({size} bytes) is truncated or corrupt and cannot be read ({reason}). "
+            f"checkpoint {path!r} ({size} bytes) {what}, so it cannot be read. "
             f"Resume from an earlier checkpoint (see dptrain.checkpoint.list_checkpoints)"
         ) from None
+
+
+_ZIP_START, _ZIP_END = b"PK\x03\x04", b"PK\x05\x06"  # a zip's first record; its end-of-directory record
+_ZIP_END_SPAN = 22 + 65535  # the end record and the longest comment that may follow it
+
+
+def _damage(path: str, size: int) -> str | None:
+    """What is visibly wrong with a checkpoint file that torch cannot read, or None."""
+    with open(path, "rb") as fh:
+        head = fh.read(len(_ZIP_START))
+        if head != _ZIP_START:
+            # torch.save writes a zip archive (since torch 1.6); this one starts otherwise.
+            return "does not begin as a PyTorch checkpoint does (a zip archive): it is another kind of file, or its start is damaged"
+        fh.seek(max(0, size - _ZIP_END_SPAN))
+        if _ZIP_END not in fh.read():
+            return "is truncated: its end is missing (a write or a copy that was interrupted)"
+    return None
 
 
 def _unpickling_problem(path: str, size: int, exc: BaseException) -> str:

@@ -176,7 +176,7 @@ def main(argv=None) -> float:
     if dptrain.is_main_process():
         dptrain.checkpoint.save(trainer.best_state, os.path.join(args.model_dir, args.model_filename))
         best = summary["best"]
-        print(f"best dev ROC AUC {best['value']:.4f} at epoch {best['epoch'] + 1}", flush=True)
+        print(f"best dev ROC AUC {best['value']:.4f} at epoch {best['epoch']}", flush=True)
         print(f"held-out ROC AUC: {summary['test']['roc_auc']:.4f} over {summary['test']['molecules']:.0f} molecules "
               f"(world size {world.world_size})", flush=True)
     dptrain.shutdown()

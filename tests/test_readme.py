@@ -1,9 +1,11 @@
-"""The README's first code block runs as written, alone and on two ranks."""
+"""The README runs as written: its first code block (alone and on two ranks), and the Quick
+start commands from a fresh clone."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -21,3 +23,111 @@ def test_the_first_code_block_runs_as_written(tmp_path):
                 [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", str(script)]):
         done = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=120, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
+
+
+# ----------------------------------------------------------- the Quick start, from a clone --
+
+
+def _quick_start_lines() -> list[str]:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"## Quick start\n\n```bash\n(.*?)```", text, re.S)
+    assert block, "the README lost its Quick start block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def _fresh_clone(dest: str) -> None:
+    """What `git clone` of this checkout gives: its tracked files, as they are now."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60)
+    if listed.returncode != 0:
+        import pytest
+
+        pytest.skip(f"not a git checkout, so there is no clone to make: {listed.stderr.decode()[-300:]}")
+    for name in listed.stdout.decode().split("\0"):
+        if name and os.path.isfile(os.path.join(ROOT, name)):
+            os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), os.path.join(dest, name))
+
+
+def _our_install_state() -> dict[str, float]:
+    """The files by which this interpreter's environment finds dptrain (must not change)."""
+    out = {}
+    for site_dir in _site_dirs():
+        for name in os.listdir(site_dir):
+            if "dptrain" in name:
+                path = os.path.join(site_dir, name)
+                out[path] = os.stat(path).st_mtime_ns
+    return out
+
+
+def _site_dirs() -> list[str]:
+    return [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+
+
+def test_the_quick_start_commands_run_as_written_from_a_fresh_clone(tmp_path):
+    """`make demo`, then every Quick start line as written, in a fresh shell with a clean PATH.
+
+    `make demo`'s set-up is done here as the Makefile does it, without a second torch and
+    without the network: the clone's .venv sees this interpreter's packages (torch, numpy,
+    pip, setuptools) through a .pth file, and dptrain is installed into it from the clone,
+    editable. This environment's own install is never touched (checked at the end). The
+    demo itself runs through `make demo` with a short DEMO_ARGS; `make test` is this suite.
+    """
+    lines = _quick_start_lines()
+    assert lines[0].startswith("make demo"), lines
+    clone = str(tmp_path / "clone")
+    _fresh_clone(clone)
+    before = _our_install_state()
+    clean = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+             "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INDEX": "1"}
+    venv = os.path.join(clone, ".venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120, env=clean)
+    vpy = os.path.join(venv, "bin", "python")
+    purelib = subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=clean,
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    with open(os.path.join(purelib, "_outer_packages.pth"), "w") as fh:
+        fh.write("\n".join(_site_dirs()) + "\n")
+    install = subprocess.run([vpy, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", clone],
+                             cwd=clone, env=clean, capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
+    open(os.path.join(venv, ".installed"), "w").close()  # the Makefile's mark that its set-up is done
+
+    demo = subprocess.run(["make", "demo", "DEMO_ARGS=--num_epochs 1 --width 4 --batch_size 64"], cwd=clone, env=clean,
+                          capture_output=True, text=True, timeout=300)
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    assert re.search(r"test accuracy: \d\.\d{4}", demo.stdout), demo.stdout[-2000:]
+    assert "source .venv/bin/activate" in demo.stdout  # make demo says what to type next
+
+    script = "set -e\n" + "\n".join(line for line in lines if not line.startswith("make "))
+    assert "source .venv/bin/activate" in script and "dptrain run" in script
+    done = subprocess.run(["bash", "-c", script], cwd=clone, env=clean, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"test accuracy over \d+ samples on 2 ranks", done.stdout), done.stdout[-2000:]
+    assert _our_install_state() == before, "the test changed this environment's own dptrain install"
+
+
+def _section(title: str) -> str:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else len(text)]
+
+
+def test_the_trainer_section_says_fsdp_needs_a_function_for_the_optimizer():
+    import torch
+    from torch import nn
+
+    import dptrain
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    try:
+        dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, nn.CrossEntropyLoss(),
+                        dptrain.TrainerConfig(strategy="fsdp", batch_size=4, verbose=False))
+    except ValueError as exc:
+        refusal = f"ValueError: {exc}"
+    else:
+        raise AssertionError("the Trainer took an optimizer object for strategy='fsdp'")
+    section = _section("Training with the Trainer")
+    assert refusal in section, "the Trainer section must show the refusal as it prints:\n" + refusal
+    code = "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
+    assert 'strategy="fsdp"' in code and "lambda params:" in code, "show FSDP in the Trainer with an optimizer function"

@@ -138,14 +138,14 @@ def test_fit_single_process_history_best_and_export(tmp_path):
     assert t.strategy == "none" and t.model is not None
     summary = t.fit(3)
     hist = summary["history"]
-    assert [h["epoch"] for h in hist] == [0, 1, 2]
+    assert [h["epoch"] for h in hist] == [1, 2, 3]  # from 1, as printed
     assert all(h["time_s"] > 0 and 0 <= h["dev_accuracy"] <= 1 for h in hist)
     # the LR schedule ran once per epoch: StepLR(step_size=2, gamma=0.5)
     assert [h["lr"] for h in hist] == [0.05, 0.05, 0.025]
     best = max(range(3), key=lambda e: (hist[e]["dev_accuracy"], -e))
-    assert summary["best"] == {"epoch": best, "metric": "accuracy", "value": hist[best]["dev_accuracy"]}
+    assert summary["best"] == {"epoch": best + 1, "metric": "accuracy", "value": hist[best]["dev_accuracy"]}
     on_disk = checkpoint.load(tmp_path / "ck" / "best.pt")
-    assert on_disk["epoch"] == best and _same(on_disk["model"], t.best_state)
+    assert on_disk["epoch"] == best + 1 and _same(on_disk["model"], t.best_state)
     exported = checkpoint.load_safetensors(tmp_path / "w.safetensors")
     assert _same(exported, {k: v for k, v in t.best_state.items()})
     names = sorted(os.listdir(tmp_path / "ck"))
@@ -159,16 +159,24 @@ def test_fit_single_process_history_best_and_export(tmp_path):
     assert any(name.startswith("events") for name in os.listdir(tmp_path / "tb"))
 
 
-def test_fresh_run_moves_an_old_runs_checkpoints_aside(tmp_path):
+def test_fresh_run_moves_an_old_runs_checkpoints_aside_in_one_line_and_one_folder(tmp_path, capsys):
     cdir = str(tmp_path / "ck")
     _trainer(cdir).fit(3)  # an old, longer run: steps 16, 32, 48
-    with pytest.warns(UserWarning, match="moving them to"):
-        t = _trainer(cdir)
-    t.fit(1)
-    # the new run's checkpoint is the newest; a resume can no longer pick the old run's step 48
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(cdir)] == ["ckpt-e0001-s000000016.pt"]
-    aside = [d for d in os.listdir(cdir) if d.startswith("superseded-")]
-    assert len(aside) == 1 and len(os.listdir(os.path.join(cdir, aside[0]))) == 4  # 3 checkpoints + best.pt
+    capsys.readouterr()
+    for run in range(2):  # `make demo` twice more: one line each time, and no pile of folders
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said as a dptrain line, not a Python warning with file and line
+            t = _trainer(cdir)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"dptrain: checkpoint_dir {cdir!r} held checkpoints of an "), err
+        assert "previous-run" in err and "resume='auto'" in err
+        t.fit(1 if run == 0 else 2)
+    # the newest run's checkpoints are the newest; a resume can no longer pick an old run's step 48
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(cdir)] == [
+        "ckpt-e0001-s000000016.pt", "ckpt-e0002-s000000032.pt"]
+    assert sorted(d for d in os.listdir(cdir) if os.path.isdir(os.path.join(cdir, d))) == ["previous-run"]
+    # only the run just before is kept: the 1-epoch one
+    assert sorted(os.listdir(os.path.join(cdir, "previous-run"))) == ["best.pt", "ckpt-e0001-s000000016.pt"]
 
 
 def test_evaluate_matches_a_plain_loop_and_test_uses_best_model(tmp_path):
@@ -289,7 +297,7 @@ def test_two_rank_checkpoint_loads_into_plain_model_one_rank_and_three_ranks(tmp
         assert res["world"] == 3 and res["epoch"] == 3
         assert _same(res["loaded"], trained)
         assert _same(_weights(res["after"]), _weights(three[0]["after"]))  # DDP keeps the replicas equal
-        assert [h["epoch"] for h in res["history"]] == [0, 1, 2]
+        assert [h["epoch"] for h in res["history"]] == [1, 2, 3]
 
 
 def _fsdp_ranks(rank, cdir):

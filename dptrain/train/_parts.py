@@ -6,6 +6,14 @@ part that needs context: the strategy for the model and optimizer, the optimizer
 learning rates for the scheduler). Restoring walks the same dict in the same order --
 model, optimizer, scheduler, scaler, progress, per-rank state, loader position, callbacks --
 so what is saved and what is loaded can never drift apart.
+
+[Note: the best model follows the resumed state]
+``best.pt`` is rewritten whenever the dev metric improves, so after a fall-back to an older
+checkpoint (the newest one corrupt) it may hold the best of a part of the run that is being
+discarded. Each checkpoint therefore carries its own best: the checkpoint's weights when the
+best is the epoch just saved, else a copy of the best weights (``best_model``). A resume takes
+the best from there and rewrites ``best.pt`` when the file on disk is another one, so the
+final test, the export and ``best.pt`` all follow the state that was resumed.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import torch
 
 from dptrain import comm
 from dptrain.env import _warn_once_main
+from dptrain.train.checkpointer import notice
 from dptrain.train.schedule import restore_scheduler
 
 __all__ = ["StatefulParts", "delegate"]
@@ -162,7 +171,47 @@ class StatefulParts:
         return parts
 
     def to_save(self) -> dict[str, Any]:
-        return {**self._parts(), "strategy": self.t.strategy.name, "config": self.t.config.to_dict()}
+        return {**self._parts(), "best_model": self._best_to_save(), "strategy": self.t.strategy.name,
+                "config": self.t.config.to_dict()}
+
+    def _best_to_save(self) -> dict[str, torch.Tensor] | None:
+        """The best weights unless the checkpoint's own are the best (the epoch just finished)."""
+        t = self.t
+        if t.best_state is None or (t.best_epoch == t.epoch and t.batch_in_epoch == 0):
+            return None
+        return t.best_state
+
+    def _resumed_best(self, path: str, content: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """The best model of the resumed state; see [Note: the best model follows the resumed state]."""
+        t = self.t
+        if t.best_epoch is None:
+            return None
+        best = content.get("best_model")
+        if best is None and t.best_step is not None and t.best_epoch == t.epoch and t.batch_in_epoch == 0:
+            best = content["model"]
+        on_disk = t.checkpointer.load_best()
+        disk_step = on_disk.get("global_step") if on_disk is not None else None
+        # A checkpoint of format 2 does not say which best it had: a best.pt not newer than it is the one.
+        fits = disk_step is not None and (disk_step == t.best_step if t.best_step is not None else disk_step <= t.global_step)
+        if best is None and fits:
+            best = on_disk["model"]
+        where = t.checkpointer.best_path
+        if best is None:
+            notice(
+                f"{path!r} recorded its best model at epoch {t.best_epoch}, but {where!r} now holds one of a later, "
+                f"discarded part of the run; the best model is chosen again from here on"
+            )
+            t.best_metric = t.best_epoch = t.best_step = None
+            return None
+        best = {k: v.detach().to("cpu").clone() for k, v in best.items()}
+        if not fits:
+            notice(
+                f"{where!r} held the best model of a discarded part of the run (step {disk_step}); rewritten with the "
+                f"best model of {path!r} (epoch {t.best_epoch}, step {t.best_step})"
+            )
+            t.checkpointer.save_best({"model": best, "epoch": t.best_epoch, "metric": t.config.best_metric,
+                                      "value": t.best_metric, "global_step": t.best_step})
+        return best
 
     def restore(self, path: str, content: dict[str, Any]) -> None:
         """Load every part from ``content`` (read from ``path`` by the Checkpointer)."""
@@ -188,13 +237,7 @@ class StatefulParts:
                 f"{path!r} was written by {saved_world} ranks and is resumed on {t.world.world_size}: weights and optimizer "
                 f"are restored, but the run will not replay the original one bit for bit (RNG streams and data shards differ)"
             )
-        t.best_state = None
-        if t.best_epoch is not None:
-            best = t.checkpointer.load_best()
-            if best is not None:
-                t.best_state = best["model"]
+        t.best_state = self._resumed_best(path, content)
         t.resumed_from = path
         if self.scheduler.note:
-            from dptrain.train.checkpointer import notice
-
             notice(self.scheduler.note)

@@ -29,7 +29,7 @@ class StepInfo:
 
     Attributes:
         step: the optimizer step this is (``global_step + 1`` before it is taken).
-        epoch: the epoch, from 0. ``batch``: batches of the epoch done, ``num_batches``: of how many.
+        epoch: the epoch, counted from 1 (as in the printed lines). ``batch``: batches of the epoch done, ``num_batches``: of how many.
         losses: every rank's loss of this step (sum over its micro-batches), in rank order.
         grad_norms: every rank's global gradient norm (equal on every rank under DDP/FSDP),
             or None when not computed (``nan_policy="off"`` without clipping).
@@ -66,7 +66,7 @@ class StepInfo:
         """E.g. ``non-finite loss at step 21 (epoch 2, batch 5 of 16) on rank(s) [1] (rank 1: loss nan)``."""
         bad_loss = [r for r, v in enumerate(self.losses) if not math.isfinite(v)]
         bad_norm = [r for r, v in enumerate(self.grad_norms or []) if not math.isfinite(v)]
-        where = f"at step {self.step} (epoch {self.epoch + 1}, batch {self.batch} of {self.num_batches})"
+        where = f"at step {self.step} (epoch {self.epoch}, batch {self.batch} of {self.num_batches})"
         if bad_loss:
             values = ", ".join(f"rank {r}: loss {self.losses[r]:.4g}" for r in bad_loss)
             text = f"non-finite loss {where} on rank(s) {bad_loss} ({values})"
@@ -122,6 +122,8 @@ class Callback:
 
 class NonFiniteError(RuntimeError):
     """A loss or gradient norm was NaN or infinite; raised identically on every rank."""
+
+    _dptrain_every_rank = True  # rank 0 alone prints it (dptrain.train.report)
 
 
 class NonFiniteGuard(Callback):
@@ -216,11 +218,11 @@ class EarlyStopping(Callback):
         sign = 1.0 if self.mode == "max" else -1.0
         improved = math.isfinite(value) and (self.best is None or sign * (value - self.best) > self.min_delta)
         if improved:
-            self.best, self.best_epoch, self.wait = value, trainer.epoch, 0
+            self.best, self.best_epoch, self.wait = value, trainer.epoch + 1, 0  # epochs count from 1
             return
         self.wait += 1
         if self.wait >= self.patience:
-            best = "none finite" if self.best is None else f"best {self.best:.4g} at epoch {self.best_epoch + 1}"
+            best = "none finite" if self.best is None else f"best {self.best:.4g} at epoch {self.best_epoch}"
             trainer.request_stop(
                 f"early stopping: dev {self.metric} has not improved by more than {self.min_delta:g} for "
                 f"{self.wait} evaluation(s) ({best})"

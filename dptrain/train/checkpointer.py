@@ -19,21 +19,25 @@ pruned: the newest complete checkpoint stays.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
-import time
 from typing import Any, Mapping
 
 from dptrain import checkpoint as ckpt
 from dptrain import comm, env
-from dptrain.env import _warn_once_main
+from dptrain.train.report import on_every_rank
 
 __all__ = ["Checkpointer", "CHECKPOINT_FORMAT", "notice"]
 
 #: ``format`` of a Trainer checkpoint. Version 1 (one dict with the progress at the top
-#: level and every rank's FSDP optimizer shard inside) is still read.
-CHECKPOINT_FORMAT = "dptrain.trainer/2"
+#: level and every rank's FSDP optimizer shard inside) and version 2 (epochs in the history
+#: and the best epoch counted from 0) are still read.
+CHECKPOINT_FORMAT = "dptrain.trainer/3"
+_FORMAT_V2 = "dptrain.trainer/2"
 _FORMAT_V1 = "dptrain.trainer/1"
 BEST_NAME = "best.pt"
+#: Where a fresh run moves an earlier run's checkpoints (only the latest earlier run is kept).
+PREVIOUS_RUN = "previous-run"
 
 
 def notice(message: str) -> None:
@@ -107,7 +111,7 @@ class Checkpointer:
                 )
         error = comm.broadcast_object(error, src=0)
         if error:
-            raise ckpt.CheckpointError(error)
+            raise on_every_rank(ckpt.CheckpointError(error))
 
     # -- saving -----------------------------------------------------------------------
     def save(self, states: Mapping[str, Any], path: str | None = None, *, epoch: int = 0, step: int = 0,
@@ -161,7 +165,7 @@ class Checkpointer:
             exc = err_type(f"saving checkpoint {path!r} failed ({text}).{kept}")
             if kind == "space":
                 exc.errno = 28  # ENOSPC, as the OSError it also is
-            raise exc
+            raise on_every_rank(exc)
         return path
 
     def save_best(self, payload: dict[str, Any]) -> None:
@@ -211,17 +215,23 @@ class Checkpointer:
         if not (self.directory and self.rank == 0 and ckpt.list_checkpoints(self.directory)):
             return
         # A fresh run must not mix with an old one's files (the newest by step would win a
-        # later resume, and pruning would delete the new ones): move them aside.
-        aside = os.path.join(self.directory, "superseded-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
-        os.makedirs(aside, exist_ok=True)
+        # later resume, and pruning would delete the new ones): move them aside, into one
+        # folder that holds only the latest earlier run, so running again and again (`make
+        # demo` twice) never piles up copies.
+        aside = os.path.join(self.directory, PREVIOUS_RUN)
+        replaced = os.path.isdir(aside)
+        if replaced:
+            shutil.rmtree(aside)
+        os.makedirs(aside)
         for old in ckpt.list_checkpoints(self.directory):
             for part in ckpt._shards_of(self.directory, os.path.basename(old)) + [old]:
                 os.replace(part, os.path.join(aside, os.path.basename(part)))
         if os.path.exists(self.best_path):
             os.replace(self.best_path, os.path.join(aside, BEST_NAME))
-        _warn_once_main(
-            f"checkpoint_dir {self.directory!r} already held checkpoints of an earlier run; starting fresh and moving them "
-            f"to {aside!r}. Pass resume='auto' (the examples' --resume) to continue from the newest instead"
+        notice(
+            f"checkpoint_dir {self.directory!r} held checkpoints of an earlier run; starting fresh and moving them to "
+            f"{aside!r}{' (replacing the run kept there)' if replaced else ''}. Pass resume='auto' (the examples' "
+            f"--resume) to continue from the newest instead"
         )
 
     # -- loading ----------------------------------------------------------------------
@@ -236,8 +246,8 @@ class Checkpointer:
         state = ckpt.load(path, map_location=map_location)
         fmt = state.get("format") if isinstance(state, Mapping) else None
         if fmt == _FORMAT_V1:
-            return _from_format_v1(state, self.rank, self.world_size, path)
-        if fmt != CHECKPOINT_FORMAT:
+            return _from_format_v2(_from_format_v1(state, self.rank, self.world_size, path))
+        if fmt not in (CHECKPOINT_FORMAT, _FORMAT_V2):
             raise ValueError(
                 f"{path!r} is not a dptrain Trainer checkpoint (format {fmt!r}); to load bare weights use "
                 f"dptrain.checkpoint.load_model_state(model, dptrain.checkpoint.load(path))"
@@ -251,7 +261,7 @@ class Checkpointer:
                     f"dptrain.checkpoint.load(path)['model'])"
                 )
             state.update(ckpt.load(ckpt.shard_path(path, self.rank, saved_world), map_location=map_location))
-        return state
+        return _from_format_v2(state) if fmt == _FORMAT_V2 else state
 
     def read_first_readable(self, candidates: list[str], map_location: Any) -> tuple[str | None, dict | None]:
         """Read the first candidate every rank can read; name each one skipped and why.
@@ -281,18 +291,18 @@ class Checkpointer:
         if not candidates:
             return None, None
         if len(candidates) == 1:
-            raise ckpt.CheckpointError(skipped[0][1])
-        raise ckpt.CheckpointError(
+            raise on_every_rank(ckpt.CheckpointError(skipped[0][1]))
+        raise on_every_rank(ckpt.CheckpointError(
             f"none of the {len(candidates)} checkpoints in {self.directory!r} can be read: "
             + "; ".join(f"{path!r}: {why}" for path, why in skipped)
-        )
+        ))
 
 
 def _from_format_v1(state: dict[str, Any], rank: int, world_size: int, path: str) -> dict[str, Any]:
     """A format-1 checkpoint (one flat dict) in today's layout."""
     tr = state["trainer"]
     out = {
-        "format": CHECKPOINT_FORMAT,
+        "format": _FORMAT_V2,
         "world_size": state["world_size"],
         "model": state["model"],
         "scheduler": state.get("scheduler"),
@@ -317,3 +327,16 @@ def _from_format_v1(state: dict[str, Any], rank: int, world_size: int, path: str
         out["optimizer"] = state["optimizer"]
     return out
 
+
+
+def _from_format_v2(state: dict[str, Any]) -> dict[str, Any]:
+    """A format-2 checkpoint (epochs of the history and the best epoch from 0) in today's numbering."""
+    progress = state["train_state"]
+    progress["history"] = [{**h, "epoch": h["epoch"] + 1} if "epoch" in h else h for h in progress["history"]]
+    if progress.get("best_epoch") is not None:
+        progress["best_epoch"] += 1
+    early = (state.get("callbacks") or {}).get("EarlyStopping")
+    if early and early.get("best_epoch") is not None:
+        early["best_epoch"] += 1
+    state["format"] = CHECKPOINT_FORMAT
+    return state

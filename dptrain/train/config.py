@@ -81,9 +81,10 @@ class TrainerConfig:
             JSON lines, or CSV when the name ends in ``.csv``. Readable with
             ``pandas.read_json(path, lines=True)`` / ``pandas.read_csv(path)``. Default None.
         progress: progress on rank 0: True, False, or None (default): a live bar when a
-            terminal watches (directly, or through ``dptrain run``), else a progress line
-            every ``progress_interval_s`` seconds.
-        progress_interval_s: seconds between progress lines when no terminal watches. Default 30.
+            terminal watches (directly, or through ``dptrain run``), else (a pipe, a log file)
+            a progress line every ``progress_interval_s`` seconds with the loss, samples/s and
+            the time left.
+        progress_interval_s: seconds between progress lines when no terminal watches. Default 5.
         profile: time every step on every rank (data, forward, backward, exposed
             communication, optimizer) and have rank 0 print a per-rank table every
             ``profile_every_steps`` steps and at the end, naming the slowest rank, plus
@@ -134,7 +135,7 @@ class TrainerConfig:
     log_every_steps: int = 10
     metrics_path: str | None = None
     progress: bool | None = None
-    progress_interval_s: float = 30.0
+    progress_interval_s: float = 5.0
     profile: bool | None = None
     profile_every_steps: int = 100
     profile_dir: str | None = None

@@ -15,7 +15,10 @@ With a terminal watching -- the process's own stderr, or ``dptrain run`` reporti
 through ``DPTRAIN_PROGRESS=tty`` -- a live tqdm bar is drawn (the launcher renders its
 carriage returns under the rank prefix). Otherwise a line such as
 ``epoch 2/8 | batch 120/420 (29%) | 1520 samples/s | loss 0.5312 | ETA 0:00:42`` is printed
-every ``progress_interval_s`` seconds, so a long epoch in a log file never looks like a hang.
+every ``progress_interval_s`` seconds (5 by default), so a log file, ``tee`` or a cluster's
+output shows an epoch moving much as a terminal would. The loss shown is the last batch's,
+read from the device only when it is shown (no extra synchronisation per step); samples/s
+count every rank's samples since the previous line.
 """
 
 from __future__ import annotations
@@ -126,15 +129,17 @@ class TrainerLog:
         resume_step: the step a resumed run continues from: TensorBoard events and metrics
             rows a crashed attempt wrote after it are dropped.
         metrics_path: the metrics file, or None.
-        progress_interval_s: seconds between progress lines.
+        progress_interval_s: seconds between progress lines (without a terminal).
+        refresh_every: batches between updates of the bar's loss and samples/s.
     """
 
     def __init__(self, active: bool, log_dir: str | None, progress: bool | None, verbose: bool,
-                 resume_step: int | None = None, metrics_path: str | None = None, progress_interval_s: float = 30.0):
+                 resume_step: int | None = None, metrics_path: str | None = None, progress_interval_s: float = 5.0, refresh_every: int = 10):
         self.active = active
         self.verbose = verbose and active
         self.mode = progress_mode(progress) if active else "off"
         self.interval = progress_interval_s
+        self.refresh_every = refresh_every
         self.log_dir = log_dir if active else None
         self.resume_step = resume_step
         self._writer = None
@@ -148,6 +153,8 @@ class TrainerLog:
         self._epoch_text = ""
         self._total = self._done = self._start = 0
         self._t0 = self._last_line = 0.0
+        self._loss: Any = None  # the last batch's loss, a tensor until shown
+        self._window_t, self._window_samples = 0.0, 0  # samples since the last shown rate
 
     @property
     def progress(self) -> bool:
@@ -166,7 +173,8 @@ class TrainerLog:
     def start_epoch(self, epoch: int, num_epochs: int, total: int, initial: int) -> None:
         self._epoch_text = f"epoch {epoch + 1}/{num_epochs}"
         self._total, self._done, self._start = total, initial, initial
-        self._t0 = self._last_line = time.monotonic()
+        self._t0 = self._last_line = self._window_t = time.monotonic()
+        self._window_samples, self._loss = 0, None
         if self.mode != "bar":
             return
         from tqdm.auto import tqdm
@@ -176,26 +184,39 @@ class TrainerLog:
             dynamic_ncols=True, leave=False, file=sys.stderr, mininterval=0.5,
         )
 
-    def update(self, n: int, loss: float | None, samples_per_s: float | None) -> None:
+    def update(self, n: int, samples: int = 0, loss: Any = None) -> None:
+        """``n`` more batches done, holding ``samples`` samples on all ranks together;
+        ``loss``: the last batch's loss (a tensor is read only when it is shown)."""
         if self.mode == "off":
             return
         self._done += n
+        self._window_samples += samples
+        if loss is not None:
+            self._loss = loss
+        now = time.monotonic()
         if self._bar is not None:
             self._bar.update(n)
-            post = {}
-            if loss is not None:
-                post["loss"] = f"{loss:.4f}"
-            if samples_per_s is not None:
-                post["samples/s"] = f"{samples_per_s:.0f}"
-            if post:
+            if self._done % self.refresh_every == 0 or self._done >= self._total:
+                loss_now, rate = self._read_values(now)
+                post = {"loss": f"{loss_now:.4f}"} if loss_now is not None else {}
+                if rate is not None:
+                    post["samples/s"] = f"{rate:.0f}"
                 self._bar.set_postfix(post, refresh=False)
             return
-        now = time.monotonic()
-        if self.mode == "lines" and now - self._last_line >= self.interval and self._done < self._total:
+        if now - self._last_line >= self.interval and self._done < self._total:
             self._last_line = now
-            self._print_progress_line(now, loss, samples_per_s)
+            self._print_progress_line(now)
 
-    def _print_progress_line(self, now: float, loss: float | None, samples_per_s: float | None) -> None:
+    def _read_values(self, now: float) -> tuple[float | None, float | None]:
+        """The last loss and the samples/s since the previous read (which starts a new window)."""
+        loss = None if self._loss is None else float(self._loss)
+        elapsed = now - self._window_t
+        rate = self._window_samples / elapsed if self._window_samples and elapsed > 0 else None
+        self._window_t, self._window_samples = now, 0
+        return loss, rate
+
+    def _print_progress_line(self, now: float) -> None:
+        loss, samples_per_s = self._read_values(now)
         done, total = self._done, max(self._total, 1)
         rate = (done - self._start) / max(now - self._t0, 1e-9)  # batches per second
         eta = (total - done) / rate if rate > 0 else float("nan")

@@ -45,8 +45,10 @@ class TrainState:
         batch_in_epoch: batches of ``epoch`` already trained.
         global_step: optimizer steps so far (skipped non-finite steps not counted).
         skipped_steps: optimizer steps dropped by ``nan_policy="skip"``.
-        history: one dict per finished epoch.
-        best_metric, best_epoch: the best dev value so far and its epoch (None before any).
+        history: one dict per finished epoch; its ``"epoch"`` counts from 1, as everywhere a
+            user reads an epoch (``epoch`` here is an index: the epochs done so far).
+        best_metric, best_epoch: the best dev value so far and its epoch, from 1 (None before any).
+        best_step: ``global_step`` when the best was found (None before any).
         loss_sum, sample_count: this rank's running loss sum and sample count of ``epoch``.
     """
 
@@ -59,6 +61,7 @@ class TrainState:
         self.history: list[dict[str, Any]] = []
         self.best_metric: float | None = None
         self.best_epoch: int | None = None
+        self.best_step: int | None = None
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.sample_count = 0
         # Set by a resume, consumed by the next begin_epoch.
@@ -121,6 +124,7 @@ class TrainState:
             "history": copy.deepcopy(self.history),
             "best_metric": self.best_metric,
             "best_epoch": self.best_epoch,
+            "best_step": self.best_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -131,6 +135,7 @@ class TrainState:
         self.history = list(state["history"])
         self.best_metric = state["best_metric"]
         self.best_epoch = state["best_epoch"]
+        self.best_step = state.get("best_step")  # absent before format 3
 
     def rank_state_dict(self) -> dict[str, Any]:
         """What differs between ranks: RNG streams and the running loss of the epoch."""

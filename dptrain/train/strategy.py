@@ -105,6 +105,14 @@ class Strategy:
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
 
     # -- evaluation -------------------------------------------------------------------
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Give every rank rank 0's buffers (BatchNorm's running statistics), before evaluating.
+
+        Collective for the replicating strategies; the plain one has nothing to agree on (on
+        several ranks its replicas drift apart anyway, and it warned). See [Note: one model
+        state on every rank].
+        """
+
     def eval_module(self, model: nn.Module) -> nn.Module:
         """What evaluation runs: the bare model (no per-forward buffer broadcast, no hooks)."""
         return ckpt.unwrap_model(model)
@@ -124,7 +132,40 @@ class Strategy:
         optimizer.load_state_dict(state)
 
 
-class _DDPStrategy(Strategy):
+def _broadcast_buffers(model: nn.Module) -> None:
+    """Rank 0's buffers on every rank: one broadcast per dtype and device, not one per buffer."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for buf in model.buffers():
+        groups.setdefault((buf.dtype, buf.device), []).append(buf)
+    with torch.no_grad():
+        for bufs in groups.values():
+            flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+            comm.broadcast(flat, src=0)
+            offset = 0
+            for b in bufs:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+
+class _Replicated(Strategy):
+    """What the strategies that keep one model across ranks share.
+
+    [Note: one model state on every rank]
+    Each rank's forward passes update its own buffers (BatchNorm's running statistics) from
+    its own batches; DDP overwrites them with rank 0's only at the next training forward, and
+    FSDP never does. Evaluating then would test a different model on every rank (and not the
+    one rank 0 saves as best.pt and exports). So every evaluation starts by giving every rank
+    rank 0's buffers: the model that is tested, kept as the best, saved and exported is one
+    state everywhere. Training is unaffected: buffers never enter the gradients, and DDP
+    would have broadcast rank 0's at the next forward anyway.
+    """
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        if comm.is_distributed():
+            _broadcast_buffers(model)
+
+
+class _DDPStrategy(_Replicated):
     name = "ddp"
 
     def prepare(self, model: nn.Module, optimizer: Any, world_size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -191,7 +232,7 @@ def comm_rank(optimizer: Any) -> int:
     return getattr(optimizer, "rank", 0)
 
 
-class _FSDPStrategy(Strategy):
+class _FSDPStrategy(_Replicated):
     name = "fsdp"
     shards_optimizer = True
     lockstep_eval = True  # every forward all-gathers the shards

@@ -37,18 +37,31 @@ from dptrain.train.config import TrainerConfig
 from dptrain.train.log import TrainerLog, format_metrics
 from dptrain.train.preemption import Preempted, PreemptionWatcher, in_slurm_job, requeue_job
 from dptrain.train.profile import StepProfiler
+from dptrain.train.report import install_excepthook
 from dptrain.train.state import TrainState
 from dptrain.train.strategy import build_scheduler, make_strategy
 
 __all__ = ["Trainer"]
 
 
+def _training_device(model: nn.Module) -> torch.device:
+    """The device a model trains on when the user names none: see ``Trainer(device=...)``."""
+    where = next(iter(model.parameters()), None)
+    if where is None:
+        where = next(iter(model.buffers()), None)
+    place = where.device if where is not None else torch.device("cpu")
+    dist = torch.distributed
+    if place.type == "cpu" and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return _default_device()  # NCCL moves CUDA tensors only: this rank's GPU
+    return place
+
+
 class Trainer:
     """Train a model on every rank of the job: wrap it, feed it, evaluate it, checkpoint it.
 
     Args:
-        model: the plain model; the Trainer moves it to this rank's device and wraps it with
-            ``config.strategy``.
+        model: the plain model, on the device it should train on (see ``device``); the
+            Trainer wraps it with ``config.strategy``.
         optimizer: an optimizer built on ``model.parameters()``, or a callable
             ``params -> optimizer`` (required for ``"fsdp"``, whose parameters only exist
             after wrapping).
@@ -71,7 +84,12 @@ class Trainer:
             from the newest checkpoint that can be read (an unreadable one is skipped with a
             notice and left in place; none at all: a notice, and training starts fresh).
             False: never. A path: that file.
-        device: where to train. Default :func:`dptrain.device` (``cuda:<local_rank>`` or CPU).
+        device: where to train; the model and every batch are moved there. Default None: where
+            the model already is -- a model on the CPU trains on the CPU, one the script moved to
+            ``cuda:1`` trains there; nothing moves to a GPU because one exists. The one exception:
+            a process group on NCCL, which only moves CUDA tensors, puts a CPU model on this
+            rank's GPU (:func:`dptrain.device`). For one GPU per rank pass
+            ``device=dptrain.device()`` (or move the model there first).
         hparams: extra hyper-parameters recorded in TensorBoard's hparams table.
         callbacks: :class:`dptrain.train.Callback` objects, called in order after the
             built-in ones (the NaN guard and early stopping the config asks for).
@@ -108,13 +126,14 @@ class Trainer:
         hparams: Mapping[str, Any] | None = None,
         callbacks: Iterable[Callback] | None = None,
     ) -> None:
+        install_excepthook()  # its user errors as one line for the job: see [Note: user errors]
         self.config = config if config is not None else TrainerConfig()
         if not isinstance(self.config, TrainerConfig):
             raise ValueError(f"config must be a dptrain.TrainerConfig, got {type(self.config).__name__}")
         cfg = self.config
         self.world = get_world()
         self.rank = self.world.rank
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else _training_device(model)
         self.loss_fn = loss_fn
         self.metric_fn = metric_fn
         self.hparams = dict(hparams or {})
@@ -160,6 +179,7 @@ class Trainer:
     history = _parts.delegate("history")
     best_metric = _parts.delegate("best_metric")
     best_epoch = _parts.delegate("best_epoch")
+    best_step = _parts.delegate("best_step")
 
     # ------------------------------------------------------------------ construction ----
     def _loader(self, data: Any, mode: str):
@@ -175,6 +195,7 @@ class Trainer:
             return prepare_dataloader(
                 data, batch_size=bs, shuffle=(mode == "train"), num_workers=self.config.num_workers,
                 drop_last=False, mode=mode, seed=self.config.seed,
+                pin_memory=self.device.type == "cuda",  # pinned pages serve copies to a GPU we train on, only
             )
         if isinstance(data, Iterable):
             return data
@@ -263,6 +284,7 @@ class Trainer:
 
         Returns:
             ``{"history": [per-epoch dicts], "best": {"epoch", "metric", "value"} or None,
+            (epochs counted from 1, as in the printed lines, checkpoint names and best.pt)
             "test": {metrics} or None, "global_step": int, "stopped": reason or None}``; the
             same on every rank.
 
@@ -276,7 +298,7 @@ class Trainer:
         self.log = TrainerLog(
             self.rank == 0, cfg.log_dir, cfg.progress, cfg.verbose,
             resume_step=self.global_step if self.resumed_from else None,
-            metrics_path=cfg.metrics_path, progress_interval_s=cfg.progress_interval_s,
+            metrics_path=cfg.metrics_path, progress_interval_s=cfg.progress_interval_s, refresh_every=cfg.log_every_steps,
         )  # fmt: skip
         self.stop_reason = None
         self._preempted_by = None
@@ -336,8 +358,6 @@ class Trainer:
         if cfg.export_safetensors:
             self.export_safetensors(cfg.export_safetensors)
         final = dict(self.history[-1]) if self.history else {}
-        if "epoch" in final:
-            final["epoch"] = final["epoch"] + 1  # epochs are counted from 1 where users read them
         if test:
             final.update({f"test/{k}": v for k, v in test.items()})
         self.log.hparams({**cfg.to_dict(), **self.hparams, "world_size": self.world.world_size}, final)
@@ -371,7 +391,6 @@ class Trainer:
         """Train on the epoch's remaining batches; return how many batches of the epoch are done."""
         cfg = self.config
         accum = cfg.gradient_accumulation_steps
-        window_t, window_samples = time.perf_counter(), 0
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         step_sums = []
         prof = self._profiler
@@ -396,19 +415,13 @@ class Trainer:
                 prof.lap("backward")
             step_loss += loss.detach().to(torch.float64)
             step_sums.append((loss.detach(), n))
-            window_samples += n
             b += 1
             if sync:
                 self._after_micro_batches(b, num_batches, step_loss, step_sums, loss)
                 step_loss.zero_()
                 step_sums = []
             if self.log.progress:
-                self.log.update(1, None, None)
-                if b % cfg.log_every_steps == 0 or b == num_batches:
-                    now = time.perf_counter()
-                    rate = window_samples * self.world.world_size / max(now - window_t, 1e-9)
-                    self.log.update(0, float(loss.detach()), rate)
-                    window_t, window_samples = now, 0
+                self.log.update(1, n * self.world.world_size, loss.detach())
             if sync and self.stop_reason is not None:
                 break
             if prof is not None:
@@ -454,7 +467,7 @@ class Trainer:
             signalled = self._preemption.signal or 0
             losses, norms, flags = gather_step_values(step_loss, norm if self.scaler is None else None, self.device,
                                                       signalled)
-            info = StepInfo(self.global_step + 1, self.epoch, batch, num_batches, losses, norms)
+            info = StepInfo(self.global_step + 1, self.epoch + 1, batch, num_batches, losses, norms)
             self._call("on_before_optimizer_step", info)
             self._note_preemption(flags, info.step)
         skip = info is not None and info.skip
@@ -493,7 +506,7 @@ class Trainer:
                               torch.tensor(float(self.state.sample_count), dtype=torch.float64, device=self.device)])
         comm.all_reduce(totals, op="sum")
         record: dict[str, Any] = {
-            "epoch": epoch,
+            "epoch": epoch + 1,  # counted from 1, as everywhere a user reads an epoch
             "train_loss": float(totals[0] / max(float(totals[1]), 1.0)),
             "time_s": elapsed,
             "samples_per_s": float(totals[1]) / elapsed if start == 0 and elapsed > 0 else float("nan"),
@@ -502,7 +515,7 @@ class Trainer:
         if self.dev_loader is not None:
             dev = self.evaluate(self.dev_loader)
             record.update({f"dev_{k}": v for k, v in dev.items()})
-            self._update_best(dev, epoch)
+            self._update_best(dev, epoch + 1)
             self._call("on_evaluate", "dev", dev)
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.scheduler.step()
@@ -520,7 +533,7 @@ class Trainer:
 
     def _log_epoch(self, record: dict[str, Any], max_epochs: int) -> None:
         dev = {k[4:]: v for k, v in record.items() if k.startswith("dev_")}
-        text = f"epoch {record['epoch'] + 1}/{max_epochs} | train loss {record['train_loss']:.4f}"
+        text = f"epoch {record['epoch']}/{max_epochs} | train loss {record['train_loss']:.4f}"
         if dev:
             text += " | dev " + format_metrics(dev)
         rate = record["samples_per_s"]
@@ -528,11 +541,11 @@ class Trainer:
         if self.state.skipped_steps:
             text += f" | {self.state.skipped_steps} non-finite step(s) skipped so far"
         self.log.line(text)
-        scal = {"train/loss": record["train_loss"], "train/epoch_time_s": record["time_s"], "train/epoch": record["epoch"] + 1}
+        scal = {"train/loss": record["train_loss"], "train/epoch_time_s": record["time_s"], "train/epoch": record["epoch"]}
         if math.isfinite(rate):
             scal["train/samples_per_s"] = rate
         scal.update({f"dev/{k}": v for k, v in dev.items()})
-        self.log.scalars(scal, self.global_step, record["epoch"] + 1)
+        self.log.scalars(scal, self.global_step, record["epoch"])
 
     # -------------------------------------------------------------------- evaluation ----
     def evaluate(self, data: Any = None) -> dict[str, float]:
@@ -541,7 +554,9 @@ class Trainer:
         Each rank runs its shard (the eval loader partitions without padding; a rank may
         have no sample at all), then the outputs and targets are gathered in dataset order
         with :func:`dptrain.gather_results`; the loss and ``metric_fn`` are computed on the
-        whole set, identically on every rank. Collective: call it on every rank.
+        whole set, identically on every rank. Every rank first takes rank 0's buffers
+        (BatchNorm's running statistics), so one and the same model is evaluated everywhere.
+        Collective: call it on every rank.
 
         Returns:
             ``{"loss": float, **metrics}``.
@@ -549,6 +564,7 @@ class Trainer:
         loader = self.dev_loader if data is None else (data if isinstance(data, torch.utils.data.DataLoader) else self._loader(data, "eval"))
         if loader is None:
             raise ValueError("evaluate() needs data: pass it, or give the Trainer dev_data=...")
+        self.strategy.sync_buffers(self.model)  # one model state on every rank (BatchNorm statistics)
         return evaluation.evaluate(
             self.strategy.eval_module(self.model), loader, device=self.device, lockstep=self.strategy.lockstep_eval,
             autocast=self._autocast, loss_fn=self.loss_fn, metric_fn=self.metric_fn, rank=self.rank,
@@ -567,7 +583,7 @@ class Trainer:
         better = self.best_metric is None or (value > self.best_metric if self.config.best_mode == "max" else value < self.best_metric)
         if not better:
             return
-        self.best_metric, self.best_epoch = value, epoch
+        self.best_metric, self.best_epoch, self.best_step = value, epoch, self.global_step
         self.best_state = {k: v.detach().to("cpu").clone() for k, v in self.model_state_dict(rank0_only=False).items()}
         self.checkpointer.save_best(
             {"model": self.best_state, "epoch": epoch, "metric": key, "value": value, "global_step": self.global_step}
