@@ -82,3 +82,9 @@ def test_make_venv_reuses_the_torch_of_a_venv_python_without_network(tmp_path):
     cli = subprocess.run([str(project / ".venv" / "bin" / "dptrain"), "run", "--help"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert cli.returncode == 0 and "--nproc-per-node" in cli.stdout, cli.stderr
+    # torchrun from .venv starts ranks with .venv's python, which imports dptrain.
+    script = tmp_path / "rank.py"
+    script.write_text("import os, dptrain; print('rank', os.environ['RANK'], dptrain.__file__)\n")
+    ran = subprocess.run([str(project / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "1",
+                          str(script)], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert ran.returncode == 0 and f"rank 0 {project}" in ran.stdout, ran.stdout + ran.stderr[-2000:]

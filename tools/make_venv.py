@@ -81,6 +81,13 @@ def layer_over_this_python(path: str) -> None:
     line = "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs)
     with open(os.path.join(venv_purelib(python), PTH_NAME), "w") as f:
         f.write(line + "\n")
+    # torchrun's own script lives beside that Python and starts ranks with it, which cannot
+    # import dptrain; this one lives in the new environment (on PATH once it is activated).
+    if os.name != "nt":
+        torchrun = os.path.join(path, "bin", "torchrun")
+        with open(torchrun, "w") as f:
+            f.write(f'#!/bin/sh\nexec "{python}" -m torch.distributed.run "$@"\n')
+        os.chmod(torchrun, 0o755)
 
 
 def main(argv: list[str] | None = None) -> int:
