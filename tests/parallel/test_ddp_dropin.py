@@ -510,8 +510,10 @@ def _mixed_precision(rank):
 
 
 def test_mixed_precision_reduces_like_torchs_recipe():
-    # PyTorch's own DDP mixed precision needs CUDA events (it fails on CPU), so the reference
-    # is its recipe written out by hand.
+    # PyTorch's own DDP mixed precision needs CUDA events (it fails on CPU), so on CPU the
+    # reference is its recipe written out by hand: bf16 replica, fp32 masters, gradients summed
+    # in fp32 and divided after. That copy is checked against PyTorch's real implementation on
+    # CUDA by tests/gpu/test_gpu.py::test_mixed_precision_against_torchs_on_cuda (GPU tier).
     for ours, ref, dtypes in run_ranks(_mixed_precision, 2):
         for k in ref:
             if "num_batches" not in k:
