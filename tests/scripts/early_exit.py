@@ -21,7 +21,7 @@ if sys.argv[1] == "all_reduce":
             with open(f"/proc/{pids[0]}/stat") as fh:
                 if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
                     break
-        except FileNotFoundError:
+        except OSError:  # gone (it can vanish between the open and the read: ESRCH)
             break
         time.sleep(0.01)
     comm.all_reduce(torch.ones(1))
