@@ -132,8 +132,11 @@ def _thread_states(pid: int) -> str:
     """One letter per thread of process ``pid`` (``R`` running or runnable, ``S`` asleep, ...)."""
     states = []
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat") as fh:
-            states.append(fh.read().rsplit(")", 1)[1].split()[0])
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                states.append(fh.read().rsplit(")", 1)[1].split()[0])
+        except OSError:  # a thread that ended since the listing
+            pass
     return "".join(states)
 
 
