@@ -21,12 +21,13 @@ def _fsdp_with_a_stalled_peer(rank, phase, events):
             out = model(torch.randn(3, 8)).sum()  # forward together, then stall before backward
         wait_event(events / "0")  # stuck outside any collective until rank 0 has failed
         return None
+    reached = {"forward done": False}
     with pytest.raises(CollectiveError) as info:
         out = model(torch.randn(3, 8)).sum()
-        forward_done = True
+        reached["forward done"] = True
         out.backward()
     set_event(events / "0")
-    return str(info.value), "forward_done" in locals()
+    return str(info.value), reached["forward done"]
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
