@@ -15,7 +15,16 @@ gradients and both Adam moments are all alive):
   glibc keeps freed heap memory by default, which hides what a sharded model gives back;
   every rank therefore sets a fixed ``M_MMAP_THRESHOLD`` of 64 KiB (same for every config)
   so large tensors are returned to the OS when freed;
-- **step time**: median of the timed steps (forward + backward + step).
+- **step time**: median of the timed steps (forward + backward + step). Every timed step
+  starts after a barrier, so no rank's time includes waiting for a peer still busy with the
+  previous step (or, paired, with another configuration).
+
+The paired table builds ddp, our full_shard and FSDP2 side by side in the same ranks and
+alternates them step by step; a step's time is its slowest rank's, and "ours / FSDP2" is the
+median of the per-step ratios (ours and FSDP2 of the same step, the same data), printed with
+both raw medians. Raw times drift with the machine's load: ``--fsdp2-baseline S`` (FSDP2's
+median from an earlier run) makes the script say when the baseline moved, in which case only
+ratios compare across runs.
 
 Theory (fp32 Adam, ZeRO paper notation, Psi parameters, N ranks): 4 bytes parameter + 4
 bytes gradient + 8 bytes Adam moments = 16 Psi per rank for DDP; ZeRO-3 (full_shard,
@@ -25,6 +34,7 @@ Run (the numbers in RESULTS.md come from the first line)::
 
     python benchmarks/fsdp_memory.py               # 2 and 4 ranks, ~34 M params
     python benchmarks/fsdp_memory.py --quick       # small model, 2 ranks, a few seconds
+    python benchmarks/fsdp_memory.py --worlds 2 --configs ddp --steps 1 --paired-steps 12 --fsdp2-baseline 0.923
 """
 
 from __future__ import annotations
@@ -145,6 +155,7 @@ def _rank(rank: int, cfg: str, sizes: dict, batch: int, seq: int, steps: int) ->
     times = []
     for step in range(steps + 1):  # the first step (allocations, lazy init) is not timed
         x = torch.randint(0, sizes["vocab"], (batch, seq), generator=gen)
+        dptrain.comm.barrier()  # every rank starts the step together
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(x).logsumexp(-1).mean()
@@ -177,6 +188,7 @@ def _paired_rank(rank: int, cfgs: list, sizes: dict, batch: int, seq: int, steps
         if step % 2:
             order.reverse()  # alternate who goes first: neither always runs on a warm cache
         for cfg, model, opt in order:
+            dptrain.comm.barrier()  # no rank's time includes a peer still in the previous config
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             model(x).logsumexp(-1).mean().backward()
@@ -193,6 +205,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--paired-steps", type=int, default=None, help="alternating timed steps of ddp / fsdp:full_shard / fsdp2")
+    ap.add_argument("--fsdp2-baseline", type=float, default=None,
+                    help="FSDP2's paired median step (s) of an earlier run: say whether the baseline moved")
     args = ap.parse_args()
     if args.quick:
         sizes, worlds, steps, batch, seq, paired = dict(vocab=512, dim=64, depth=4, heads=4, max_len=32), [2], 2, 2, 16, 4
@@ -224,14 +238,28 @@ def main() -> None:
     if paired:
         cfgs = ["ddp", "fsdp:full_shard", "fsdp2"]
         print()
-        print(f"Paired step time ({paired} alternating steps per config, median over steps and ranks):")
+        print(f"Paired step time ({paired} alternating steps per config; a step takes its slowest rank's time; "
+              f"medians over steps; the ratio is the median of per-step ratios):")
         print()
-        print("| ranks | ddp (s) | ours full_shard (s) | FSDP2 (s) | ours / FSDP2 |")
-        print("|---|---|---|---|---|")
+        print("| ranks | ddp (s) | ours full_shard (s) | FSDP2 (s) | ours / FSDP2 (paired) | ratio of the medians |")
+        print("|---|---|---|---|---|---|")
         for world in worlds:
             res = run_ranks(_paired_rank, world, cfgs, sizes, batch, seq, paired, timeout=1800)
-            med = {c: statistics.median(t for r in res for t in r[c]) for c in cfgs}
-            print(f"| {world} | {med['ddp']:.3f} | {med['fsdp:full_shard']:.3f} | {med['fsdp2']:.3f} | {med['fsdp:full_shard'] / med['fsdp2']:.2f} |", flush=True)
+            per_step = {c: [max(r[c][i] for r in res) for i in range(paired)] for c in cfgs}
+            med = {c: statistics.median(per_step[c]) for c in cfgs}
+            ratio = statistics.median(o / f for o, f in zip(per_step["fsdp:full_shard"], per_step["fsdp2"]))
+            print(f"| {world} | {med['ddp']:.3f} | {med['fsdp:full_shard']:.3f} | {med['fsdp2']:.3f} | {ratio:.2f} | "
+                  f"{med['fsdp:full_shard'] / med['fsdp2']:.2f} |", flush=True)
+            half = paired // 2
+            if half:
+                early, late = statistics.median(per_step["fsdp2"][:half]), statistics.median(per_step["fsdp2"][half:])
+                print(f"  FSDP2 within this run: {early:.3f} s (first half) -> {late:.3f} s (second half)")
+            if args.fsdp2_baseline:
+                moved = med["fsdp2"] / args.fsdp2_baseline - 1
+                verdict = "MOVED: compare ratios only, not raw times" if abs(moved) > 0.10 else "steady (within 10 %)"
+                print(f"  FSDP2 baseline: {args.fsdp2_baseline:.3f} s earlier, {med['fsdp2']:.3f} s now "
+                      f"({moved:+.0%}): {verdict}; ours against the earlier baseline: "
+                      f"{med['fsdp:full_shard'] / args.fsdp2_baseline:.2f}x", flush=True)
 
 
 def _fmt(row) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 
 import dptrain
 
@@ -45,3 +46,24 @@ def run_ranks(fn, nprocs: int, *args, timeout: float = DEFAULT_TIMEOUT_S, backen
         start_method="forkserver",
         env=env,
     )
+
+
+def set_event(path) -> None:
+    """Make the event file ``path`` appear (atomically) for :func:`wait_event` in another process."""
+    path = os.fspath(path)
+    with open(path + ".part", "w"):
+        pass
+    os.replace(path + ".part", path)
+
+
+def wait_event(path, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Block until the event file ``path`` exists: synchronisation on what happened, not on a sleep.
+
+    The timeout only keeps a test whose event never comes from hanging; raises TimeoutError.
+    """
+    path = os.fspath(path)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the event {path!r} did not happen within {timeout:.0f}s")
+        time.sleep(0.01)

@@ -5,3 +5,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+def pytest_report_header(config):
+    # The fault-tolerance tests' kill points come from a fixed seed; say which, so a run can be repeated.
+    from tests.test_fault_tolerance import POINTS, SEED
+
+    return f"kill points (DPTRAIN_KILL_SEED={SEED}): " + ", ".join(f"rank {r} at batch {b}" for r, b in POINTS)

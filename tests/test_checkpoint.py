@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -94,43 +93,65 @@ def test_crash_between_write_and_rename_keeps_previous(tmp_path, monkeypatch):
 
 _WRITER = textwrap.dedent(
     """
-    import sys, torch
+    import io, os, sys, torch
     from dptrain import checkpoint
-    path = sys.argv[1]
-    i = 0
-    while True:
-        i += 1
-        checkpoint.save({"v": i, "t": torch.full((4_000_000,), float(i))}, path)  # 16 MB
-        print(i, flush=True)
+    path, where = sys.argv[1], sys.argv[2]
+
+    def block(event):  # say where we are, then wait to be killed
+        print(event, flush=True)
+        sys.stdin.read()
+
+    for i in (1, 2):
+        checkpoint.save({"v": i, "t": torch.full((250_000,), float(i))}, path)  # 1 MB
+    real_save, real_replace = torch.save, os.replace
+
+    def half_save(obj, f):  # half of the bytes reach the temporary file
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        with open(f, "wb") as fh:
+            fh.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+            fh.flush()
+        block(f"mid-write {f}")
+
+    def no_rename(src, dst):  # the temporary is whole and fsynced, not yet renamed
+        block(f"before-rename {src}")
+
+    if where == "mid-write":
+        torch.save = half_save
+    else:
+        os.replace = no_rename
+    checkpoint.save({"v": 3, "t": torch.full((250_000,), 3.0)}, path)
     """
 )
 
 
-def test_kill_during_save_leaves_a_complete_checkpoint(tmp_path):
-    """kill -9 a process that rewrites a 16 MB checkpoint in a loop: the file is always whole."""
+@pytest.mark.parametrize("where", ["mid-write", "before-rename"])
+def test_kill_during_save_leaves_the_previous_checkpoint_whole(tmp_path, where):
+    """kill -9 a process while it writes a checkpoint over an older one: the older one stays whole,
+    the torn temporary is what the next run's clean-up removes."""
     path = str(tmp_path / "c.pt")
     script = tmp_path / "writer.py"
     script.write_text(_WRITER)
-    rng = random.Random(0)
-    for trial in range(2):
-        proc = subprocess.Popen([sys.executable, str(script), path], stdout=subprocess.PIPE, text=True)
-        try:
-            for _ in range(2):  # at least two complete saves
-                assert proc.stdout.readline().strip(), "writer died"
-            time.sleep(rng.uniform(0.0, 0.05))
-            proc.send_signal(signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait()
-            proc.stdout.close()
-        back = checkpoint.load(path)
-        v = back["v"]
-        assert v >= 2
-        assert torch.equal(back["t"], torch.full((4_000_000,), float(v))), f"trial {trial}: torn checkpoint"
-        assert checkpoint.list_checkpoints(tmp_path) == []  # only ckpt-* names are listed
-        leftovers = checkpoint.remove_stale_temporaries(tmp_path)
-        assert all(".tmp-" in name for name in leftovers)
-        assert sorted(os.listdir(tmp_path)) == ["c.pt", "writer.py"]
+    proc = subprocess.Popen([sys.executable, str(script), path, where], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        event = proc.stdout.readline().split()  # blocks until the writer is there (or died: "")
+        assert event and event[0] == where, f"the writer never reached {where}"
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+    tmp = os.path.basename(event[1])
+    # The kill landed inside the save of version 3: its temporary is there, c.pt is not touched.
+    assert tmp == f".c.pt.tmp-{proc.pid}" and sorted(os.listdir(tmp_path)) == sorted([tmp, "c.pt", "writer.py"])
+    back = checkpoint.load(path)
+    assert back["v"] == 2 and torch.equal(back["t"], torch.full((250_000,), 2.0))
+    assert checkpoint.list_checkpoints(tmp_path) == []  # only ckpt-* names are listed
+    assert checkpoint.remove_stale_temporaries(tmp_path) == [tmp]
+    assert sorted(os.listdir(tmp_path)) == ["c.pt", "writer.py"]
 
 
 def test_strip_prefix_and_load_model_state_accept_both_forms():

@@ -1,7 +1,5 @@
 """Each collective against its definition on 1, 2, 3 and 4 ranks, plus timeouts and the debug cross-check."""
 
-import time
-
 import pytest
 import torch
 
@@ -9,7 +7,7 @@ import dptrain
 from dptrain import comm
 from dptrain.comm import CollectiveError
 from dptrain._diagnostics import CollectiveMismatchError
-from tests._dist import run_ranks
+from tests._dist import run_ranks, set_event, wait_event
 
 
 def _value(rank):
@@ -118,23 +116,29 @@ def test_all_gather_uneven_rejects_different_trailing_shapes_on_every_rank():
         assert "rank 0: (2, 3), rank 1: (2, 4)" in m
 
 
-def _stall_then_collective(rank):
+def _stall_until_the_others_failed(rank, events):
     if rank == 1:
-        time.sleep(4)
-        return None
-    t0 = time.monotonic()
+        # Stalled outside any collective until both peers' all_reduce has failed: the timeout
+        # must fire while this rank is still away, never because it arrived.
+        wait_event(events / "0")
+        wait_event(events / "2")
+        return "arrived after both peers had failed"
     with pytest.raises(CollectiveError) as info:
         comm.all_reduce(torch.ones(3))
-    return time.monotonic() - t0, str(info.value)
+    set_event(events / str(rank))
+    return str(info.value)
 
 
-def test_stalled_rank_fails_the_others_within_the_timeout_and_is_named():
-    out = run_ranks(_stall_then_collective, 3, env={"DPTRAIN_TIMEOUT": "2", "DPTRAIN_HEARTBEAT_S": "0.2"}, timeout=40)
+def test_stalled_rank_fails_the_others_by_the_timeout_and_is_named(tmp_path):
+    out = run_ranks(_stall_until_the_others_failed, 3, tmp_path,
+                    env={"DPTRAIN_TIMEOUT": "2", "DPTRAIN_HEARTBEAT_S": "0.2"}, timeout=60)
+    assert out[1] == "arrived after both peers had failed"
     for rank in (0, 2):
-        waited, msg = out[rank]
-        assert waited < 2 + 3, msg
-        assert f"rank {rank}: all_reduce #1 failed" in msg
-        assert "rank 1 did not arrive" in msg and "outside any collective" in msg
+        msg = out[rank]
+        assert msg.startswith(f"rank {rank}: all_reduce #1 failed ("), msg
+        assert "rank 1 did not arrive" in msg and "outside any collective" in msg, msg
+        assert "rank 0 did not arrive" not in msg and "rank 2 did not arrive" not in msg, msg
+        assert "Timed out waiting 2000ms" in msg, msg  # gloo's own words: the 2 s timeout fired
 
 
 def _mismatched_shapes(rank):

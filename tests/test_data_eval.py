@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 import torch
 import torch.utils.data as tud
@@ -16,7 +15,7 @@ import torch.utils.data as tud
 import dptrain
 from dptrain import comm
 from dptrain.data import DistributedSampler, gather_results, main_process_first, prepare_dataloader
-from tests._dist import run_ranks
+from tests._dist import run_ranks, set_event, wait_event
 
 
 class Scored(tud.Dataset):
@@ -238,10 +237,17 @@ def _mpf_rank(rank, marker_dir, local, fail):
     node = rank // 2 if local else 0
     leader = (rank % 2 == 0) if local else rank == 0
     marker = os.path.join(marker_dir, f"ready.{node}")
+    n = dptrain.world_size()
+    followers = [r for r in range(n) if (r // 2 == node and r % 2 != 0)] if local else list(range(1, n))
+    if not leader:
+        set_event(os.path.join(marker_dir, f"arrived.{rank}"))
     try:
         with main_process_first(local=local):
             if leader:
-                time.sleep(0.3)  # a slow download: the others must not start before it is done
+                # A slow download: it ends only once every follower has come to the gate, so a
+                # follower let through early would find no marker.
+                for r in followers:
+                    wait_event(os.path.join(marker_dir, f"arrived.{r}"))
                 if fail:
                     raise OSError("download failed")
                 with open(marker, "w") as f:
@@ -257,8 +263,8 @@ def _check_leader_first(tmp_path, local):
     leaders = {0, 2} if local else {0}
     for rank, (role, ok) in enumerate(results):
         assert role == ("led" if rank in leaders else "followed") and ok is True
-    if local:
-        assert sorted(os.listdir(tmp_path)) == ["ready.0", "ready.1"]
+    ready = ["ready.0", "ready.1"] if local else ["ready.0"]
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("ready")) == ready
 
 
 def test_main_process_first_runs_rank_0_first(tmp_path):
@@ -275,4 +281,4 @@ def test_main_process_first_failure_on_rank_zero_does_not_hang(tmp_path):
     for rank in (1, 2):
         kind, msg = results[rank]
         assert kind == "RuntimeError" and f"rank {rank}:" in msg and "failed on rank 0: OSError: download failed" in msg
-    assert os.listdir(tmp_path) == []
+    assert sorted(os.listdir(tmp_path)) == ["arrived.1", "arrived.2"]  # no marker

@@ -128,23 +128,44 @@ def test_ddp_uses_shared_memory_on_one_node_unless_told_or_unable():
     assert results[1][3] == []  # warnings come from rank 0 only
 
 
-def _idle_wait(rank):
+def _thread_states(pid: int) -> str:
+    """One letter per thread of process ``pid`` (``R`` running or runnable, ``S`` asleep, ...)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                states.append(fh.read().rsplit(")", 1)[1].split()[0])
+        except OSError:  # a thread that ended since the listing
+            pass
+    return "".join(states)
+
+
+def _idle_wait(rank, events):
     g = _shm.ShmGroup.create(None, 1 << 12, what="test all-reduce")
     t = g.zeros(16, torch.float32)
     g.all_reduce(t).wait()
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
     if rank == 1:
-        time.sleep(1.5)
+        _dist.wait_event(events / "waiting")
+        # Rank 0 waits for this rank: look at its threads 50 times. A waiter that spins (or
+        # polls without sleeping) is running or runnable -- R -- whenever one looks.
+        samples = []
+        for _ in range(50):
+            samples.append(_thread_states(pids[0]))
+            time.sleep(0.005)
         g.all_reduce(t).wait()
-        return None
-    cpu0, wall0 = time.process_time(), time.monotonic()
+        return samples
+    _dist.set_event(events / "waiting")
     g.all_reduce(t).wait()
-    return time.process_time() - cpu0, time.monotonic() - wall0
+    return None
 
 
-def test_a_waiting_rank_sleeps_instead_of_spinning():
-    cpu, wall = run_ranks(_idle_wait, 2, env=ON)[0]
-    assert wall > 1.0
-    assert cpu < 0.3 * wall, f"rank 0 used {cpu:.2f}s of CPU while waiting {wall:.2f}s for rank 1"
+def test_a_waiting_rank_sleeps_instead_of_spinning(tmp_path):
+    samples = run_ranks(_idle_wait, 2, tmp_path, env=ON)[1]
+    busy = [s for s in samples if "R" in s]
+    # a few looks may catch it on its way into the wait, or a helper thread at work
+    assert len(busy) < len(samples) // 2, f"rank 0 had a running thread in {len(busy)} of {len(samples)} looks: {samples}"
 
 
 # ---------------------------------------------------------------- a rank that dies
@@ -208,20 +229,20 @@ def _die_in_the_middle(rank):
             os.kill(os.getpid(), signal.SIGKILL)
 
         seg.barrier = arrive_then_die
-    t0 = time.monotonic()
     try:
         model(torch.randn(4, 64)).sum().backward()
     except dptrain.comm.CollectiveError as exc:
-        return str(exc), time.monotonic() - t0, seg.path
-    return "no error", 0.0, seg.path
+        return str(exc), seg.path
+    return "no error", seg.path
 
 
 def test_a_rank_killed_mid_all_reduce_is_named_and_leaves_no_segment():
-    (status, (msg, waited, path)), victim = _run_with_a_victim(_die_in_the_middle, 2)
+    (status, (msg, path)), victim = _run_with_a_victim(_die_in_the_middle, 2)
     assert status == "ok" and victim == ("no answer", -signal.SIGKILL)
     assert msg.startswith("rank 0: DDP gradient all-reduce (bucket 0)"), msg
     assert "rank 1 did not arrive: its process exited" in msg, msg
-    assert waited < 10, "noticed through the liveness lock, not the 30 s timeout"
+    # "its process exited": noticed through the liveness lock, not by the 30 s timeout
+    # ("did not arrive within the 30s timeout (its process is alive)")
     assert os.path.basename(path).startswith(_shm.SEGMENT_PREFIX)
     assert not os.path.exists(path)
     assert not [f for f in os.listdir("/dev/shm") if f in os.path.basename(path)]

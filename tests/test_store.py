@@ -67,30 +67,40 @@ def test_torchs_client_gets_torchs_answers_from_our_server(server):
 
 def test_a_timed_out_wait_is_withdrawn_and_the_connection_stays_usable(server):
     c = _torch_client(server.port)
-    t0 = time.monotonic()
     with pytest.raises(dist.DistStoreError):
         c.wait(["never"], datetime.timedelta(seconds=0.3))
-    assert time.monotonic() - t0 < 3
     c.set("later", "still answered")  # the cancelled wait left nothing behind on this connection
     assert c.get("later") == b"still answered"
     with pytest.raises(dist.DistStoreError):  # get waits for the key, up to the client's timeout
         _torch_client(server.port, datetime.timedelta(seconds=0.3)).get("missing")
 
 
-def test_a_waiter_wakes_when_another_client_sets_its_keys(server):
+def _until(condition, timeout=30.0):
+    """Wait for ``condition()`` to hold (polling); the timeout only ends a test that would hang."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.005)
+
+
+def _awaited(server, key):
+    """How many keys each connection that waits for ``key`` still misses (the server answers at 0)."""
+    return [conn.awaited for conn in server.waiting.get(b"/" + key, [])]  # clients put "/" before keys
+
+
+def test_a_waiter_wakes_only_once_another_client_set_all_its_keys(server):
     c = _torch_client(server.port)
     ours = StoreClient("127.0.0.1", server.port)
-
-    def later():
-        time.sleep(0.2)
-        ours.set("k1", "one")
-        time.sleep(0.1)
-        ours.add("k2", 5)
-
-    threading.Thread(target=later).start()
-    t0 = time.monotonic()
-    c.wait(["k1", "k2"])  # wakes only once both exist
-    assert time.monotonic() - t0 >= 0.25
+    woke = threading.Event()
+    waiter = threading.Thread(target=lambda: (c.wait(["k1", "k2"]), woke.set()))
+    waiter.start()
+    _until(lambda: _awaited(server, b"k2") == [2])  # the server holds the wait, for both keys
+    ours.set("k1", "one")
+    assert ours.get("k1") == b"one"  # a round trip: the set was handled, with any answer it caused
+    assert _awaited(server, b"k2") == [1] and not woke.is_set()  # not answered: k2 is still missing
+    ours.add("k2", 5)
+    waiter.join(30)
+    assert woke.is_set() and _awaited(server, b"k2") == []
     assert c.get("k1") == b"one" and c.get("k2") == b"5"
 
 
@@ -148,8 +158,9 @@ def test_an_unknown_request_names_the_torch_version_fix(server, capfd):
 def test_a_client_that_leaves_mid_wait_does_not_disturb_the_others(server):
     leaver = StoreClient("127.0.0.1", server.port)
     leaver._send(bytes([_store.WAIT]) + leaver._keys(["k"]))
+    _until(lambda: _awaited(server, b"k") == [1])
     leaver.close()
-    time.sleep(0.1)
+    _until(lambda: _awaited(server, b"k") in ([], [0]))  # the server saw it leave
     c = _torch_client(server.port)
     c.set("k", "v")
     assert c.get("k") == b"v"
@@ -216,6 +227,16 @@ def test_a_job_runs_with_either_server_and_only_torchs_makes_the_launcher_import
     assert "dptrain._store" in launcher_imports
 
 
+def _listen_backlog(port: int) -> int:
+    """Connections waiting in the accept queue of the socket listening on ``port`` (Linux)."""
+    with open("/proc/net/tcp") as fh:
+        for line in fh.readlines()[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":  # LISTEN
+                return int(fields[4].split(":")[1], 16)  # rx_queue: the accept backlog
+    return -1
+
+
 def test_a_rank_connecting_before_the_store_serves_is_answered_once_it_does():
     """The launcher binds and listens first and may start serving later; early clients wait in the backlog."""
     from dptrain._rendezvous import _StoreServer
@@ -225,7 +246,8 @@ def test_a_rank_connecting_before_the_store_serves_is_answered_once_it_does():
         answers = []
         t = threading.Thread(target=lambda: answers.append(_torch_client(server.port).add("x", 1)))
         t.start()
-        time.sleep(0.3)
+        _until(lambda: _listen_backlog(server.port) == 1)  # the client is connected, in the backlog
+        assert answers == []
         server.serve()
         t.join(10)
         assert answers == [1]

@@ -40,15 +40,21 @@ def test_config_refuses_what_cannot_work(kwargs, match):
 
 
 def test_what_can_work_is_accepted():
-    TrainerConfig(compression="powersgd", zero_stage=1)
-    TrainerConfig(overlap_optimizer=True, amp=True, amp_dtype="bfloat16", gradient_accumulation_steps=2)
-    TrainerConfig(compression="bf16", overlap_optimizer=True, strategy="ddp")
+    a = TrainerConfig(compression="powersgd", zero_stage=1)
+    assert (a.compression, a.zero_stage) == ("powersgd", 1)
+    b = TrainerConfig(overlap_optimizer=True, amp=True, amp_dtype="bfloat16", gradient_accumulation_steps=2)
+    assert (b.overlap_optimizer, b.amp, b.amp_dtype, b.gradient_accumulation_steps) == (True, True, "bfloat16", 2)
+    c = TrainerConfig(compression="bf16", overlap_optimizer=True, strategy="ddp")
+    assert (c.compression, c.overlap_optimizer, c.strategy) == ("bf16", True, "ddp")
 
 
 def test_one_process_ignores_both():
     t = _trainer(None, compression="bf16", overlap_optimizer=True)
     assert t.strategy == "none" and not isinstance(t.model, torch.nn.parallel.DistributedDataParallel)
     t.fit(1)
+    plain = _trainer(None)
+    plain.fit(1)
+    assert _same(_params(t), _params(plain))  # ignored: the very weights of a run without them
 
 
 def _overlap_vs_plain(rank, accum):
@@ -73,12 +79,19 @@ def _compressed(rank, name):
     t = _trainer(None, compression=name)
     assert t.model.compression == name
     t.fit(1)
-    return t.history[-1]["train_loss"], _params(t)
+    full = _trainer(None)
+    full.fit(1)
+    return t.history[-1]["train_loss"], _params(t), _params(full)
 
 
 def test_compression_reaches_the_ddp_the_trainer_builds():
-    (loss0, p0), (loss1, p1) = run_ranks(_compressed, 2, "bf16")
+    (loss0, p0, full0), (loss1, p1, _) = run_ranks(_compressed, 2, "bf16")
     assert torch.isfinite(torch.tensor(loss0)) and _same(_weights(p0), _weights(p1))  # the replicas stay equal
+    # It acted: bf16 gradients give other weights than fp32 ones, but only by bf16's rounding
+    # (8 bits of mantissa over one epoch's steps).
+    assert not _same(_weights(p0), _weights(full0))
+    for k, v in _weights(full0).items():
+        torch.testing.assert_close(p0[k], v, rtol=2e-2, atol=2e-3)
 
 
 def _nan_with_overlap(rank, cdir):

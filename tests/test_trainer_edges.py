@@ -354,11 +354,22 @@ def test_cpu_bfloat16_autocast_trains_and_resumes_exactly(tmp_path):
 def _tiny_dev(rank, strategy, n):
     kw = {"fsdp_kwargs": {}} if strategy == "fsdp" else {}
     t = _trainer(None, strategy=strategy, dev_n=n, **kw)
-    return t.evaluate(), len(t.dev_loader)
+    # The reference: the same weights, one process, the whole dev set in one batch.
+    plain = _model()
+    plain.load_state_dict(t.model_state_dict())
+    plain.eval()
+    x, y = _dataset(n, seed=2).tensors
+    with torch.no_grad():
+        out = plain(x)
+    ref = {"loss": float(nn.functional.cross_entropy(out, y)), "accuracy": float((out.argmax(1) == y).float().mean())}
+    return t.evaluate(), len(t.dev_loader), ref
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_dev_set_smaller_than_the_world(strategy):
     results = run_ranks(_tiny_dev, 3, strategy, 2)
-    assert [n for _, n in results] == [1, 1, 0]
+    assert [n for _, n, _ in results] == [1, 1, 0]
     assert results[0][0] == results[1][0] == results[2][0]
+    got, ref = results[0][0], results[0][2]
+    assert got.keys() >= {"loss", "accuracy"}, got
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6) and got["accuracy"] == ref["accuracy"], (got, ref)

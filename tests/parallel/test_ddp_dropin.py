@@ -396,8 +396,12 @@ class _Never(nn.Module):
 
 
 def _waiting_delayed_hook(self, grad):
-    # PyTorch's delayed all-reduce hook launches the all-reduce and never waits for it, so on
-    # CPU the optimizer races with gloo's thread. The reference waits (what ours does).
+    # Why the reference is altered here, and only here: PyTorch's delayed all-reduce hook
+    # launches its all-reduce and never waits for it -- on a GPU the stream orders it before
+    # the optimizer, on CPU nothing does, so the optimizer races with gloo's thread (a barrier
+    # between backward and step did not make it deterministic: 2 of 3 runs differed). This copy
+    # is the shipped hook plus the wait; test_the_delayed_reference_is_torchs_hook_plus_a_wait
+    # checks the shipped hook still does exactly that (divide, then one async all-reduce).
     self._delay_grad_buffer.div_(dist.get_world_size(self.process_group))
     dist.all_reduce(self._delay_grad_buffer, group=self.process_group)
     return grad
@@ -447,6 +451,21 @@ def test_newer_constructor_arguments_like_torch():
         assert out["skipped buckets"] == 1  # 'never.weight' alone in its bucket: not all-reduced
 
 
+def test_the_delayed_reference_is_torchs_hook_plus_a_wait():
+    import inspect
+
+    source = inspect.getsource(TorchDDP._delayed_all_reduce_hook)
+    body = [line.strip() for line in source.splitlines()[1:] if line.strip() and not line.strip().startswith("#")]
+    assert body == [
+        "world_size = dist.get_world_size(self.process_group)",
+        "self._delay_grad_buffer.div_(world_size)  # type: ignore[union-attr]",
+        "_ = dist.all_reduce(",
+        "self._delay_grad_buffer, group=self.process_group, async_op=True",
+        ")",
+        "return grad",
+    ], "PyTorch's delayed all-reduce hook changed: update _waiting_delayed_hook to match it\n" + source
+
+
 def _mixed_precision(rank):
     from torch.nn.parallel.distributed import _MixedPrecision
 
@@ -491,8 +510,10 @@ def _mixed_precision(rank):
 
 
 def test_mixed_precision_reduces_like_torchs_recipe():
-    # PyTorch's own DDP mixed precision needs CUDA events (it fails on CPU), so the reference
-    # is its recipe written out by hand.
+    # PyTorch's own DDP mixed precision needs CUDA events (it fails on CPU), so on CPU the
+    # reference is its recipe written out by hand: bf16 replica, fp32 masters, gradients summed
+    # in fp32 and divided after. That copy is checked against PyTorch's real implementation on
+    # CUDA by tests/gpu/test_gpu.py::test_mixed_precision_against_torchs_on_cuda (GPU tier).
     for ours, ref, dtypes in run_ranks(_mixed_precision, 2):
         for k in ref:
             if "num_batches" not in k:

@@ -7,6 +7,10 @@ On the first attempt, rank --kill-rank kills itself with SIGKILL when it compute
 its --kill-at-th batch; the launcher restarts the job, the Trainer resumes from the newest
 complete checkpoint, and rank 0 prints a digest of the final weights, which must equal the
 digest of a run that was never killed.
+
+Rank 0 prints "saved <name> after step <n>" for every checkpoint it writes and each rank
+prints "resumed from <name>" when it resumed: a restart that silently trained from scratch
+would reach the same digest (the run is deterministic), so the callers check the resume too.
 """
 import argparse
 import hashlib
@@ -17,6 +21,7 @@ import torch
 from torch import nn
 
 import dptrain
+from dptrain.train import Callback
 
 p = argparse.ArgumentParser()
 p.add_argument("--ckpt", required=True)
@@ -45,9 +50,17 @@ def loss_fn(out, target):
     return nn.functional.mse_loss(out, target)
 
 
+
+
+class PrintSaves(Callback):
+    def on_checkpoint(self, trainer, path):
+        if trainer.rank == 0:
+            print(f"saved {os.path.basename(path)} after step {trainer.global_step}", flush=True)
+
+
 config = dptrain.TrainerConfig(checkpoint_dir=args.ckpt, save_every_steps=args.every, keep_last=2,
                                verbose=False, progress=False)
-trainer = dptrain.Trainer(model, opt, loader, loss_fn, config)
+trainer = dptrain.Trainer(model, opt, loader, loss_fn, config, callbacks=[PrintSaves()])
 if trainer.resumed_from:
     print(f"rank {world.rank} resumed from {os.path.basename(trainer.resumed_from)}", flush=True)
 trainer.fit(args.epochs)
