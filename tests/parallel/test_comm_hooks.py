@@ -78,8 +78,15 @@ def test_low_precision_hooks_close_to_fp32_and_interchangeable_with_torch():
         assert "returned Tensor" in out["not_a_future"] and "torch.futures.Future" in out["not_a_future"]
 
 
+# PyTorch's own powerSGD_hook calls torch.cuda.synchronize(device) whenever CUDA exists, which
+# fails for CPU tensors: on a GPU machine it cannot run on this CPU test's gradients (ours can;
+# tests/gpu/test_gpu_paths.py compares the two on CUDA tensors there).
+TORCH_HOOK_RUNS_ON_CPU = not torch.cuda.is_available()
+
+
 def _train_regressions(rank, steps):
-    return {name: _train_regression(rank, name, steps) for name in ("none", "powersgd", "torch_powersgd")}
+    names = ("none", "powersgd") + (("torch_powersgd",) if TORCH_HOOK_RUNS_ON_CPU else ())
+    return {name: _train_regression(rank, name, steps) for name in names}
 
 
 def _train_regression(rank, hook_name, steps):
@@ -111,15 +118,19 @@ def _train_regression(rank, hook_name, steps):
 
 def test_powersgd_converges_on_small_task():
     results = run_ranks(_train_regressions, 2, 50)
-    plain, psgd, torch_psgd = ([r[name] for r in results] for name in ("none", "powersgd", "torch_powersgd"))
+    plain, psgd = ([r[name] for r in results] for name in ("none", "powersgd"))
     for losses, _, rate in psgd:
         assert losses[-1] < 0.05 * losses[0], losses[::10]
         assert losses[-1] < 5 * plain[0][0][-1] + 1e-3
         assert rate > 3  # the matrices really went through the low-rank path
-    for result in (psgd, torch_psgd):  # both ranks keep identical replicas
+    compared = [psgd]
+    if TORCH_HOOK_RUNS_ON_CPU:
+        torch_psgd = [r["torch_powersgd"] for r in results]
+        assert torch_psgd[0][0][-1] < 0.05 * torch_psgd[0][0][0]  # PyTorch's hook drops in
+        compared.append(torch_psgd)
+    for result in compared:  # both ranks keep identical replicas
         for a, b in zip(result[0][1], result[1][1]):
             assert torch.equal(a, b)
-    assert torch_psgd[0][0][-1] < 0.05 * torch_psgd[0][0][0]  # PyTorch's hook drops in
 
 
 def test_powersgd_state_validates():
