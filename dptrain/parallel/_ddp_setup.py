@@ -87,14 +87,17 @@ def resolve_group(process_group: Any, device_mesh: Any) -> Any:
     return process_group
 
 
-def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+def resolve_buffer_sync(
+    broadcast_buffers: bool | None, forward_sync_buffers: bool | None, deprecated: bool = True
+) -> tuple[bool, bool]:
     """``(forward_sync_buffers, init_sync_buffers)`` from the new and the deprecated argument.
 
     PyTorch 2.13's rules and warnings: ``broadcast_buffers`` warns (FutureWarning) whenever it
     is given; ``broadcast_buffers=False`` also keeps buffers out of the initial broadcast,
     ``forward_sync_buffers=False`` does not; the new argument wins when both are given.
+    ``deprecated=False`` (a torch without ``forward_sync_buffers``): no warning, as there.
     """
-    if broadcast_buffers is not None:
+    if broadcast_buffers is not None and deprecated:
         if forward_sync_buffers is not None:
             warnings.warn(
                 "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is "

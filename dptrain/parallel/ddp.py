@@ -1,7 +1,7 @@
 """DistributedDataParallel: one model replica per rank, gradients averaged by our reducer.
 
-A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (PyTorch 2.13's constructor,
-same numerics): construction checks that every rank built the same model and copies rank
+A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (the installed PyTorch's
+constructor arguments, up to 2.13's; same numerics): construction checks that every rank built the same model and copies rank
 0's parameters and buffers to all; each forward broadcasts buffers (BatchNorm statistics)
 from rank 0; backward averages gradients through :class:`dptrain.parallel.reducer.Reducer`.
 
@@ -30,6 +30,7 @@ the copy too. Without an initialized process group the loaded module is a plain 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -48,6 +49,7 @@ from dptrain.parallel._ddp_delayed import DelayedAllReduce
 from dptrain.parallel._ddp_join import DDPJoinHook, all_reduce_requires_sync, find_common_rank
 from dptrain.parallel._ddp_mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
 from dptrain.parallel._ddp_setup import DDPSetupError
+from dptrain.parallel._ddp_signature import bind_arguments, installed_signature, torch_has
 from dptrain.parallel._overlap import OptimizerOverlap
 from dptrain.parallel._sink import attach_sink
 from dptrain.parallel.reducer import Reducer, bucket_size_limits
@@ -60,8 +62,9 @@ _TorchDDP = nn.parallel.DistributedDataParallel
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism: one replica per rank, gradients averaged across ranks in backward.
 
-    Drop-in for ``torch.nn.parallel.DistributedDataParallel``: PyTorch 2.13's arguments in
-    PyTorch's order, the same ``module.``-prefixed ``state_dict()``, ``no_sync()``,
+    Drop-in for ``torch.nn.parallel.DistributedDataParallel``: the installed PyTorch's
+    arguments in PyTorch's order (an argument that torch lacks, such as
+    ``forward_sync_buffers`` before 2.13, raises TypeError as PyTorch's DDP does), the same ``module.``-prefixed ``state_dict()``, ``no_sync()``,
     ``join()``, ``register_comm_hook()``, ``_set_static_graph()`` and
     ``_set_params_and_buffers_to_ignore_for_model()``, pickling and ``copy.deepcopy``,
     ``torch.compile`` and ``backward(create_graph=True)``; on two CPU ranks the same
@@ -147,6 +150,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             models (every rank raises, naming the first difference and the ranks), the
             module has no parameter that requires grad, it holds uninitialized (lazy)
             parameters, or both ``process_group`` and ``device_mesh`` were given.
+        TypeError: an argument that the installed torch's DDP does not have (PyTorch's
+            message: "got an unexpected keyword argument"), or a list as ``bucket_cap_mb``.
         ValueError: ``device_ids``/``output_device`` for a CPU or multi-device module, a
             bucket size that is not positive, only one of the two delayed-all-reduce
             arguments, an unknown ``compression``, an ``overlap_optimizer`` that cannot be
@@ -166,7 +171,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         >>> fast = torch.compile(model)           # compiled module, same reducer
     """
 
-    def __init__(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The installed torch's arguments, no more (see dptrain.parallel._ddp_signature).
+        self._construct(**bind_arguments(self, args, kwargs, _IMPLEMENTED))
+
+    def _construct(
         self,
         module: nn.Module,
         device_ids: Sequence[int | torch.device] | None = None,
@@ -210,15 +219,19 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_type, self.device_ids = setup.check_devices(managed, device_ids, output_device)
         self.output_device = setup.output_device_index(self.device_ids, output_device)
         self.device = managed[0].device
-        sync = setup.resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
+        sync = setup.resolve_buffer_sync(broadcast_buffers, forward_sync_buffers, torch_has("forward_sync_buffers"))
         self.forward_sync_buffers, init_sync_buffers = sync
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
-        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_mb = _check_bucket_cap_mb(bucket_cap_mb)
         self.bucket_cap_mb_list = list(bucket_cap_mb_list) if bucket_cap_mb_list else None
         self.bucket_bytes_cap = max(bucket_size_limits(bucket_cap_mb, bucket_cap_mb_list))  # read by dynamo
+        # PyTorch's attributes: the per-bucket byte limits ([] without bucket_cap_mb_list) and
+        # whether the default 1 MiB first bucket applies.
+        self.bucket_bytes_cap_list = bucket_size_limits(None, self.bucket_cap_mb_list) if self.bucket_cap_mb_list else []
+        self.bucket_bytes_cap_default = bucket_cap_mb is None and not self.bucket_cap_mb_list
         self.mixed_precision = mixed_precision
         self.static_graph = False  # set by _set_static_graph() below, as in PyTorch
         self.require_backward_grad_sync = True
@@ -638,4 +651,19 @@ class DistributedDataParallel(nn.Module, Joinable):
         return _dp.gather(outputs, device, self.dim)
 
 
+def _check_bucket_cap_mb(bucket_cap_mb: Any) -> Any:
+    """One size in MiB; a list raises TypeError (PyTorch's DDP raises one too), saying where lists go."""
+    if isinstance(bucket_cap_mb, (list, tuple)):
+        where = (
+            f"pass bucket_cap_mb_list={list(bucket_cap_mb)} for one size per bucket"
+            if torch_has("bucket_cap_mb_list")
+            else f"the installed torch {torch.__version__} has no per-bucket sizes (bucket_cap_mb_list came in a "
+            "later torch); pass one size"
+        )
+        raise TypeError(f"bucket_cap_mb takes one size in MiB, got {bucket_cap_mb!r}: {where}")
+    return bucket_cap_mb
+
+
+_IMPLEMENTED = frozenset(inspect.signature(DistributedDataParallel._construct).parameters)
+DistributedDataParallel.__init__.__signature__ = installed_signature()  # what inspect and IDEs show
 DDP = DistributedDataParallel
