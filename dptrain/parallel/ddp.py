@@ -106,7 +106,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             reduce_dtype, buffer_dtype)`` (or any object with those fields): forward and
             backward in ``param_dtype``, gradients reduced in ``reduce_dtype``, buffers kept
             in ``buffer_dtype``; parameters and ``.grad`` are full precision outside forward
-            and backward. Needs a process group. Default None.
+            and backward. With ``gradient_as_bucket_view=True`` the buckets hold the
+            ``param_dtype`` gradients during backward and the reduced bucket is cast back
+            into the full-precision ``.grad``. Needs a process group. Default None.
         device_mesh: a 1-D ``DeviceMesh`` to reduce over, instead of ``process_group``.
             Default None.
         skip_all_reduce_unused_params: do not all-reduce a bucket whose parameters are all
@@ -308,11 +310,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise NotImplementedError(
                 "DistributedDataParallel(mixed_precision=...) needs an initialized process group (dptrain.init() "
                 "under dptrain run or torchrun); in a single process use torch.autocast instead"
-            )
-        if self.gradient_as_bucket_view:
-            raise ValueError(
-                "mixed_precision and gradient_as_bucket_view=True cannot be combined: the buckets hold param_dtype "
-                "gradients while .grad must be full precision; drop gradient_as_bucket_view"
             )
 
     def _settings(self, static_graph: bool) -> dict:
