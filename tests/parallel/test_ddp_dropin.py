@@ -22,7 +22,7 @@ from torch.nn import functional as F
 import dptrain
 from tests._dist import run_ranks
 from tests.parallel._torch_args import TORCH_DDP_ARGS, torch_accepts
-from tests.parallel._ddp_models import BNNet, make_batch, make_optimizer, snapshot, train_step
+from tests.parallel._ddp_models import BNNet, build_pair, make_batch, make_optimizer, snapshot, train_step
 
 TorchDDP = nn.parallel.DistributedDataParallel
 BOTH = (("ours", dptrain.DDP), ("torch", TorchDDP))
@@ -359,6 +359,12 @@ def _errors(rank):
             # PyTorch's C++ reducer is left mid-backward; let the pending all-reduces finish
             # on both ranks before the process group goes away.
             dist.barrier()
+    # A gradient twice in one backward (reentrant checkpointing reuses 'b'), no static_graph.
+    ours, theirs = build_pair("ckpt_twice", rank, {})
+    for name, model in (("ours", ours), ("torch", theirs)):
+        xc, yc = make_batch("ckpt_twice", rank, 0)
+        out[("twice", name)] = _error(lambda: F.cross_entropy(model(xc), yc).backward())
+        dist.barrier()
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -382,13 +388,22 @@ def test_errors_have_torchs_types_and_say_what_is_wrong():
         torch_unused, ours_unused = out[("unused", "torch")][1], out[("unused", "ours")][1]
         indices = f"Parameter indices which did not receive grad for rank {rank}: 2 3"
         assert indices in torch_unused and indices in ours_unused
-        assert "'extra.weight'" in ours_unused and "find_unused_parameters=True" in ours_unused
+        names = f"Parameters which did not receive grad for rank {rank}: extra.weight, extra.bias\n"
+        assert names in ours_unused and "find_unused_parameters=True" in ours_unused
+        # PyTorch's wording first, so that searches for PyTorch's message find ours (issue 21).
+        torch_phrase = "Expected to have finished reduction in the prior iteration before starting a new one."
+        assert torch_phrase in torch_unused and torch_phrase in ours_unused
+        assert "`forward` function outputs participate in calculating loss" in ours_unused
         # A static graph that changes: what changed, not "pass static_graph=True".
         static = out[("static", "ours")][1]
-        assert "changed" in out[("static", "torch")][1]
+        torch_phrase = "Your training graph has changed in this iteration"
+        assert torch_phrase in out[("static", "torch")][1] and torch_phrase in static
         assert "graph changed although static_graph=True" in static and "parameter 'extra.bias' (index 3)" in static
         assert "it was unused then" in static and "Pass static_graph=True" not in static
         assert out[("mismatch", "ours")][0] == DDPSetupError.__name__ and "rank 1" in out[("mismatch", "ours")][1]
+        for phrase in ("Expected to mark a variable ready only once", "has been marked as ready twice"):
+            assert phrase in out[("twice", "torch")][1] and phrase in out[("twice", "ours")][1], phrase
+        assert "static_graph=True" in out[("twice", "ours")][1]
 
 
 # ---------------------------------------------------------------------------- PyTorch 2.13's newer arguments
