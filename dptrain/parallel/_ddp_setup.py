@@ -21,7 +21,7 @@ from dptrain.parallel import _verify
 
 __all__ = ["DDPSetupError", "output_device_index", "map_tensors"]
 
-_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # PyTorch's broadcast_bucket_size
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # PyTorch's broadcast_bucket_size
 IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"  # PyTorch's name: models marked for torch work here
 
 
@@ -40,7 +40,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Any) -
     for t in tensors:
         key = (t.dtype, t.device)
         nbytes = t.numel() * t.element_size()
-        if key not in chunks or sizes[key] + nbytes > _BROADCAST_BUCKET_BYTES:
+        if key not in chunks or sizes[key] + nbytes > BROADCAST_BUCKET_BYTES:
             chunks.setdefault(key, []).append([])
             sizes[key] = 0
         chunks[key][-1].append(t)

@@ -234,6 +234,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # whether the default 1 MiB first bucket applies.
         self.bucket_bytes_cap_list = bucket_size_limits(None, self.bucket_cap_mb_list) if self.bucket_cap_mb_list else []
         self.bucket_bytes_cap_default = bucket_cap_mb is None and not self.bucket_cap_mb_list
+        self.broadcast_bucket_size = setup.BROADCAST_BUCKET_BYTES  # PyTorch's attribute (parameter broadcasts)
         self.mixed_precision = mixed_precision
         self.static_graph = False  # set by _set_static_graph() below, as in PyTorch
         self.require_backward_grad_sync = True

@@ -97,3 +97,8 @@ def test_bucket_cap_mb_as_a_list_raises_type_error_pointing_at_the_list_argument
 def test_bucket_cap_mb_as_a_list_on_a_torch_without_lists(torch_2_11):
     with pytest.raises(TypeError, match="has no per-bucket sizes"):
         dptrain.DDP(nn.Linear(3, 3), bucket_cap_mb=[1, 2])
+
+
+def test_broadcast_bucket_size_attribute_like_torch():
+    """PyTorch's tests and libraries read it (e.g. to call torch's ``_sync_module_states``)."""
+    assert dptrain.DDP(nn.Linear(3, 3)).broadcast_bucket_size == 250 * 1024 * 1024
