@@ -86,7 +86,7 @@ def gradient_twice(name: str, index: int) -> str:
     return _PREFIX.format(rank=dist.get_rank()) + (
         f"Expected to mark a variable ready only once. Parameter at index {index} with name {name} has been "
         "marked as ready twice. This means that multiple autograd engine hooks have fired for this particular "
-        f"parameter during this iteration.\nParameter '{name}' (index {index}) received its gradient twice in one "
+        f"parameter during this iteration.\nThe parameter '{name}' (index {index}) received its gradient twice in one "
         "backward (reentrant backward such as activation checkpointing, or a module called twice with a reentrant "
         "graph). Pass static_graph=True if the graph is the same every iteration."
     )
