@@ -47,6 +47,7 @@ from dptrain.parallel._compression import AutoCompression, check_compression, ch
 from dptrain.parallel._compression import install as install_compression
 from dptrain.parallel._ddp_delayed import DelayedAllReduce
 from dptrain.parallel._ddp_join import DDPJoinHook, all_reduce_requires_sync, find_common_rank
+from dptrain.parallel._ddp_optim_in_backward import adopt_optimizers_in_backward
 from dptrain.parallel._ddp_mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
 from dptrain.parallel._ddp_setup import DDPSetupError
 from dptrain.parallel._ddp_signature import bind_arguments, installed_signature, torch_has
@@ -239,6 +240,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.static_graph = False  # set by _set_static_graph() below, as in PyTorch
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self._lazy_init_ran = False  # see _pre_forward: optimizers in backward are adopted then
         self._divide_by_initial_world_size = True
         self._warn_ignored_arguments(check_reduction, bucket_cap_mb, bucket_cap_mb_list)
         self._check_mixed_precision()
@@ -377,6 +379,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             return inputs, kwargs
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             reducer.check_prior_reduction()
+        if not self._lazy_init_ran:  # PyTorch's moment: before the first forward, after the constructor
+            self._lazy_init_ran = True
+            adopt_optimizers_in_backward(reducer, reducer.params)
         work = Join.notify_join_context(self)
         if work is not None:
             reducer.set_divisor_work(work, self._divide_by_initial_world_size)
@@ -520,6 +525,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._distributed = self.process_group is not None
         self._rank = dist.get_rank(self.process_group) if self._distributed else 0
         self.reducer = None
+        self._lazy_init_ran = False  # the copy's reducer adopts the copy's optimizers in backward
         if not self._distributed:
             self._mixed_precision = None
             return

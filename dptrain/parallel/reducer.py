@@ -231,8 +231,9 @@ class Reducer:
         """Switch to static-graph mode; only before the first backward (PyTorch's rule)."""
         if self.num_iterations > 0 or self._static_counts is not None:
             raise RuntimeError(
-                "_set_static_graph() must be called after DistributedDataParallel(...) and before the first "
-                "training iteration; pass static_graph=True to the constructor instead"
+                "_set_static_graph() should be called before training loop starts and after "
+                "DistributedDataParallel is constructed (PyTorch's wording): this DDP has trained already; pass "
+                "static_graph=True to the constructor instead"
             )
         self.static_graph = True
         self.find_unused_parameters = False
