@@ -103,7 +103,7 @@ def resolve_buffer_sync(
                 "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is "
                 "deprecated and its value is ignored when `forward_sync_buffers` is provided.",
                 FutureWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         else:
             warnings.warn(
@@ -112,7 +112,7 @@ def resolve_buffer_sync(
                 "on buffers NOT being synced at init (e.g. rank-local buffers), keep using "
                 "`broadcast_buffers=False`.",
                 FutureWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
     if forward_sync_buffers is not None:
         return bool(forward_sync_buffers), True
@@ -131,7 +131,7 @@ def ignored_names(module: nn.Module) -> set[str]:
                 f"DistributedDataParallel: {unknown} were marked to be ignored but {type(module).__name__} has "
                 "no parameter or buffer of that name (names are fully qualified, e.g. 'encoder.0.weight'); "
                 "they are synchronised as usual",
-                stacklevel=3,
+                stacklevel=4,
             )
     return names
 
@@ -199,3 +199,20 @@ def verify_same_model(module: nn.Module, ignore: set[str], settings: dict, group
     """
     _verify.verify_same_model(module, group, dist.get_rank(group), "DistributedDataParallel",
                               list(settings.items()), ignore, error=DDPSetupError)
+
+
+def warn_ignored_arguments(check_reduction: bool, bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> None:
+    """PyTorch's FutureWarning for ``check_reduction``; ours for a ``bucket_cap_mb`` that a list overrides."""
+    if check_reduction:
+        warnings.warn(
+            "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
+            "using it.",
+            FutureWarning,
+            stacklevel=4,
+        )
+    if bucket_cap_mb_list and bucket_cap_mb is not None:
+        warnings.warn(
+            f"DistributedDataParallel: bucket_cap_mb={bucket_cap_mb} is ignored because bucket_cap_mb_list "
+            "gives the size of every bucket",
+            stacklevel=4,
+        )

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EXTENSIONS", "bind_arguments", "installed_signature", "torch_has"]
+__all__ = ["EXTENSIONS", "bind_arguments", "check_bucket_cap_mb", "installed_signature", "torch_has"]
 
 EXTENSIONS = ("shm", "compression", "overlap_optimizer")  # ours, keyword only, not in PyTorch's DDP
 
@@ -67,3 +67,16 @@ def bind_arguments(ddp: Any, args: tuple, kwargs: dict, newer: Any = ()) -> dict
     out = dict(bound.arguments)
     out.pop("self", None)
     return out
+
+
+def check_bucket_cap_mb(bucket_cap_mb: Any) -> Any:
+    """One size in MiB; a list raises TypeError (PyTorch's DDP raises one too), saying where lists go."""
+    if isinstance(bucket_cap_mb, (list, tuple)):
+        where = (
+            f"pass bucket_cap_mb_list={list(bucket_cap_mb)} for one size per bucket"
+            if torch_has("bucket_cap_mb_list")
+            else f"the installed torch {torch.__version__} has no per-bucket sizes (bucket_cap_mb_list came in a "
+            "later torch); pass one size"
+        )
+        raise TypeError(f"bucket_cap_mb takes one size in MiB, got {bucket_cap_mb!r}: {where}")
+    return bucket_cap_mb

@@ -50,7 +50,7 @@ from dptrain.parallel._ddp_join import DDPJoinHook, all_reduce_requires_sync, fi
 from dptrain.parallel._ddp_optim_in_backward import adopt_optimizers_in_backward
 from dptrain.parallel._ddp_mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
 from dptrain.parallel._ddp_setup import DDPSetupError
-from dptrain.parallel._ddp_signature import bind_arguments, installed_signature, torch_has
+from dptrain.parallel._ddp_signature import bind_arguments, check_bucket_cap_mb, installed_signature, torch_has
 from dptrain.parallel._overlap import OptimizerOverlap
 from dptrain.parallel._sink import attach_sink
 from dptrain.parallel.reducer import Reducer, bucket_size_limits
@@ -228,7 +228,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
-        self.bucket_cap_mb = _check_bucket_cap_mb(bucket_cap_mb)
+        self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb)
         self.bucket_cap_mb_list = list(bucket_cap_mb_list) if bucket_cap_mb_list else None
         self.bucket_bytes_cap = max(bucket_size_limits(bucket_cap_mb, bucket_cap_mb_list))  # read by dynamo
         # PyTorch's attributes: the per-bucket byte limits ([] without bucket_cap_mb_list) and
@@ -242,7 +242,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_forward_param_sync = True
         self._lazy_init_ran = False  # see _pre_forward: optimizers in backward are adopted then
         self._divide_by_initial_world_size = True
-        self._warn_ignored_arguments(check_reduction, bucket_cap_mb, bucket_cap_mb_list)
+        setup.warn_ignored_arguments(check_reduction, bucket_cap_mb, bucket_cap_mb_list)
         self._check_mixed_precision()
         self.compression = check_compression(compression)
         self._auto_compression: AutoCompression | None = None
@@ -290,21 +290,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                     "a lazy parameter. Run a dummy forward pass to correctly initialize the modules."
                 )
         return managed or list(module.parameters())
-
-    def _warn_ignored_arguments(self, check_reduction: bool, bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> None:
-        if check_reduction:
-            warnings.warn(
-                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
-                "using it.",
-                FutureWarning,
-                stacklevel=3,
-            )
-        if bucket_cap_mb_list and bucket_cap_mb is not None:
-            warnings.warn(
-                f"DistributedDataParallel: bucket_cap_mb={bucket_cap_mb} is ignored because bucket_cap_mb_list "
-                "gives the size of every bucket",
-                stacklevel=3,
-            )
 
     def _check_mixed_precision(self) -> None:
         if self.mixed_precision is None:
@@ -653,19 +638,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Concatenate per-device ``outputs`` along ``dim`` on ``output_device``."""
         device = torch.device(self.device_type, output_device) if isinstance(output_device, int) else torch.device(output_device)
         return _dp.gather(outputs, device, self.dim)
-
-
-def _check_bucket_cap_mb(bucket_cap_mb: Any) -> Any:
-    """One size in MiB; a list raises TypeError (PyTorch's DDP raises one too), saying where lists go."""
-    if isinstance(bucket_cap_mb, (list, tuple)):
-        where = (
-            f"pass bucket_cap_mb_list={list(bucket_cap_mb)} for one size per bucket"
-            if torch_has("bucket_cap_mb_list")
-            else f"the installed torch {torch.__version__} has no per-bucket sizes (bucket_cap_mb_list came in a "
-            "later torch); pass one size"
-        )
-        raise TypeError(f"bucket_cap_mb takes one size in MiB, got {bucket_cap_mb!r}: {where}")
-    return bucket_cap_mb
 
 
 _IMPLEMENTED = frozenset(inspect.signature(DistributedDataParallel._construct).parameters)
