@@ -1,9 +1,9 @@
 """DistributedDataParallel: one model replica per rank, gradients averaged by our reducer.
 
 A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (the installed PyTorch's
-constructor arguments, up to 2.13's; same numerics): construction checks that every rank built the same model and copies rank
-0's parameters and buffers to all; each forward broadcasts buffers (BatchNorm statistics)
-from rank 0; backward averages gradients through :class:`dptrain.parallel.reducer.Reducer`.
+constructor arguments, up to 2.13's; same numerics): construction checks that every rank
+built the same model and copies rank 0's parameters and buffers to all; each forward
+broadcasts buffers (BatchNorm statistics) from rank 0; backward averages gradients through :class:`dptrain.parallel.reducer.Reducer`.
 
 [Note: torch.compile]
 ``torch.compile(dptrain.DDP(model))`` compiles the wrapped module and leaves the wrapper's
@@ -65,7 +65,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     Drop-in for ``torch.nn.parallel.DistributedDataParallel``: the installed PyTorch's
     arguments in PyTorch's order (an argument that torch lacks, such as
-    ``forward_sync_buffers`` before 2.13, raises TypeError as PyTorch's DDP does), the same ``module.``-prefixed ``state_dict()``, ``no_sync()``,
+    ``forward_sync_buffers`` before 2.13, raises TypeError as PyTorch's DDP does), the
+    same ``module.``-prefixed ``state_dict()``, ``no_sync()``,
     ``join()``, ``register_comm_hook()``, ``_set_static_graph()`` and
     ``_set_params_and_buffers_to_ignore_for_model()``, pickling and ``copy.deepcopy``,
     ``torch.compile`` and ``backward(create_graph=True)``; on two CPU ranks the same
