@@ -3,7 +3,8 @@
 A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (the installed PyTorch's
 constructor arguments, up to 2.13's; same numerics): construction checks that every rank
 built the same model and copies rank 0's parameters and buffers to all; each forward
-broadcasts buffers (BatchNorm statistics) from rank 0; backward averages gradients through :class:`dptrain.parallel.reducer.Reducer`.
+broadcasts buffers (BatchNorm statistics) from rank 0; backward averages gradients through
+:class:`dptrain.parallel.reducer.Reducer`.
 
 [Note: torch.compile]
 ``torch.compile(dptrain.DDP(model))`` compiles the wrapped module and leaves the wrapper's
