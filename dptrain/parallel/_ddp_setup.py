@@ -198,7 +198,12 @@ def verify_same_model(module: nn.Module, ignore: set[str], settings: dict, group
     or buckets would not line up (see :mod:`dptrain.parallel._verify`).
     """
     _verify.verify_same_model(module, group, dist.get_rank(group), "DistributedDataParallel",
-                              list(settings.items()), ignore, error=DDPSetupError)
+                              list(settings.items()), ignore, error=_different_models)
+
+
+def _different_models(message: str) -> DDPSetupError:
+    # PyTorch's opening words first, for those who search their logs for them.
+    return DDPSetupError(f"DDP expects same model across all ranks, but {message}")
 
 
 def warn_ignored_arguments(check_reduction: bool, bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> None:

@@ -401,6 +401,7 @@ def test_errors_have_torchs_types_and_say_what_is_wrong():
         assert "graph changed although static_graph=True" in static and "parameter 'extra.bias' (index 3)" in static
         assert "it was unused then" in static and "Pass static_graph=True" not in static
         assert out[("mismatch", "ours")][0] == DDPSetupError.__name__ and "rank 1" in out[("mismatch", "ours")][1]
+        assert out[("mismatch", "ours")][1].startswith("DDP expects same model across all ranks, but rank ")
         for phrase in ("Expected to mark a variable ready only once", "has been marked as ready twice"):
             assert phrase in out[("twice", "torch")][1] and phrase in out[("twice", "ours")][1], phrase
         assert "static_graph=True" in out[("twice", "ours")][1]
