@@ -15,7 +15,9 @@ private internals (its C++ reducer, its logger): when it fails it counts as "pri
 as a failure. A test whose ranks pass but one of which dies at exit (a negative exit code)
 counts as "abort at exit".
 
-    make test-torch-suite                                   # everything, about 20 minutes
+Needs ``expecttest`` (PyTorch's test utilities import it; the make target installs it).
+
+    make test-torch-suite                                   # everything, about 18 minutes on 2 cores
     python tests/torch_suite/run_torch_suite.py -k static_graph
     python tests/torch_suite/run_torch_suite.py --slice 1/4 --json out.json
 
