@@ -9,8 +9,9 @@ any test runs, ``torch.nn.parallel.DistributedDataParallel`` and the suite's own
 the parent and in every spawned rank (each rank re-imports this file).
 
 Selected: every test whose body (or a ``self._helper`` it calls) names
-``DistributedDataParallel`` or ``DistributedSampler``. Tests that need a GPU are counted
-as skipped without spawning anything. A test listed in ``private.txt`` reads PyTorch's
+``DistributedDataParallel`` or ``DistributedSampler``. Without GPUs the GPU-marked tests
+run on CPU (see [Note: the CPU shim]); those listed in ``gpu_only.txt`` are counted as
+skipped without spawning anything. A test listed in ``private.txt`` reads PyTorch's
 private internals (its C++ reducer, its logger): when it fails it counts as "private", not
 as a failure. A test whose ranks pass but one of which dies at exit (a negative exit code)
 counts as "abort at exit".
@@ -21,7 +22,8 @@ Needs ``expecttest`` (PyTorch's test utilities import it; the make target instal
     python tests/torch_suite/run_torch_suite.py -k static_graph
     python tests/torch_suite/run_torch_suite.py --slice 1/4 --json out.json
 
-Exit status: 0 when nothing failed other than the listed private tests.
+Exit status: 0 when nothing failed (aborts at exit count as failures) other than the listed
+private tests.
 """
 
 from __future__ import annotations
