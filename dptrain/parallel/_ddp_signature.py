@@ -66,6 +66,12 @@ def bind_arguments(ddp: Any, args: tuple, kwargs: dict, newer: Any = ()) -> dict
         raise TypeError(f"DistributedDataParallel.__init__() {exc}{hint}") from None
     out = dict(bound.arguments)
     out.pop("self", None)
+    unknown = sorted(set(out) - set(newer)) if newer else []
+    if unknown:  # a torch newer than dptrain: an argument we do not implement yet
+        raise NotImplementedError(
+            f"DistributedDataParallel: the installed torch {torch.__version__} has the argument(s) {unknown}, which "
+            "dptrain's DDP does not implement yet; leave them out, or use torch.nn.parallel.DistributedDataParallel"
+        )
     return out
 
 

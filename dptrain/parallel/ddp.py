@@ -163,7 +163,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             stepped bucket by bucket, or ``compression``/``overlap_optimizer`` together
             with ``mixed_precision``.
         NotImplementedError: ``device_mesh`` sliced out of a larger mesh (DDP with tensor
-            parallelism), or ``mixed_precision`` without a process group.
+            parallelism), ``mixed_precision`` without a process group, or an argument of a
+            torch newer than dptrain.
 
     Example:
         >>> dptrain.init()

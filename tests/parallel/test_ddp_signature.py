@@ -102,3 +102,17 @@ def test_bucket_cap_mb_as_a_list_on_a_torch_without_lists(torch_2_11):
 def test_broadcast_bucket_size_attribute_like_torch():
     """PyTorch's tests and libraries read it (e.g. to call torch's ``_sync_module_states``)."""
     assert dptrain.DDP(nn.Linear(3, 3)).broadcast_bucket_size == 250 * 1024 * 1024
+
+
+def test_an_argument_of_a_newer_torch_that_we_lack_is_named(monkeypatch):
+    params = list(inspect.signature(TorchDDP.__init__).parameters.values())
+    params.append(inspect.Parameter("future_flag", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=False))
+
+    def newer_init(self, *args, **kwargs):
+        raise AssertionError("not called")
+
+    newer_init.__signature__ = inspect.Signature(params)
+    monkeypatch.setattr(TorchDDP, "__init__", newer_init)
+    dptrain.DDP(nn.Linear(3, 3))  # not passed: fine
+    with pytest.raises(NotImplementedError, match=r"\['future_flag'\], which dptrain's DDP does not implement"):
+        dptrain.DDP(nn.Linear(3, 3), future_flag=True)
