@@ -38,3 +38,11 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# PyTorch's own DDP and DistributedSampler tests from the installed wheel, run against dptrain's
+# classes (gloo, 2 ranks, spawned; about 25 minutes on 2 cores): not part of `make test`.
+# See tests/torch_suite/run_torch_suite.py; its last result is in benchmarks/RESULTS.md.
+.PHONY: test-torch-suite
+test-torch-suite: venv
+	@$(PY) -c "import expecttest" >/dev/null 2>&1 || $(PY) -m pip install -q expecttest
+	$(PY) tests/torch_suite/run_torch_suite.py

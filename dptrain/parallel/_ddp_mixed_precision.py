@@ -12,6 +12,11 @@ full-precision master; the reduction is a communication hook (as in PyTorch) tha
 masters back for the bucket's parameters before the averaged gradients are written into
 ``.grad``; a callback at the end of backward puts back any parameter the hooks did not cover
 (frozen parameters). A forward without gradient puts them back at once.
+
+With ``gradient_as_bucket_view=True`` the buckets hold ``param_dtype`` gradients: during
+backward ``.grad`` is a low-precision view of its bucket (as in PyTorch); the hook gives the
+bucket's parameters full-precision ``.grad`` again and the reducer writes the averaged
+bucket into them (PyTorch's numbers bitwise, see ``tests/parallel/test_ddp_mixed_precision.py``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from dptrain.parallel import _verify
 
 __all__ = ["DDPSetupError", "output_device_index", "map_tensors"]
 
-_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # PyTorch's broadcast_bucket_size
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # PyTorch's broadcast_bucket_size
 IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"  # PyTorch's name: models marked for torch work here
 
 
@@ -40,7 +40,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Any) -
     for t in tensors:
         key = (t.dtype, t.device)
         nbytes = t.numel() * t.element_size()
-        if key not in chunks or sizes[key] + nbytes > _BROADCAST_BUCKET_BYTES:
+        if key not in chunks or sizes[key] + nbytes > BROADCAST_BUCKET_BYTES:
             chunks.setdefault(key, []).append([])
             sizes[key] = 0
         chunks[key][-1].append(t)
@@ -87,20 +87,23 @@ def resolve_group(process_group: Any, device_mesh: Any) -> Any:
     return process_group
 
 
-def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+def resolve_buffer_sync(
+    broadcast_buffers: bool | None, forward_sync_buffers: bool | None, deprecated: bool = True
+) -> tuple[bool, bool]:
     """``(forward_sync_buffers, init_sync_buffers)`` from the new and the deprecated argument.
 
     PyTorch 2.13's rules and warnings: ``broadcast_buffers`` warns (FutureWarning) whenever it
     is given; ``broadcast_buffers=False`` also keeps buffers out of the initial broadcast,
     ``forward_sync_buffers=False`` does not; the new argument wins when both are given.
+    ``deprecated=False`` (a torch without ``forward_sync_buffers``): no warning, as there.
     """
-    if broadcast_buffers is not None:
+    if broadcast_buffers is not None and deprecated:
         if forward_sync_buffers is not None:
             warnings.warn(
                 "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is "
                 "deprecated and its value is ignored when `forward_sync_buffers` is provided.",
                 FutureWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         else:
             warnings.warn(
@@ -109,7 +112,7 @@ def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bo
                 "on buffers NOT being synced at init (e.g. rank-local buffers), keep using "
                 "`broadcast_buffers=False`.",
                 FutureWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
     if forward_sync_buffers is not None:
         return bool(forward_sync_buffers), True
@@ -128,7 +131,7 @@ def ignored_names(module: nn.Module) -> set[str]:
                 f"DistributedDataParallel: {unknown} were marked to be ignored but {type(module).__name__} has "
                 "no parameter or buffer of that name (names are fully qualified, e.g. 'encoder.0.weight'); "
                 "they are synchronised as usual",
-                stacklevel=3,
+                stacklevel=4,
             )
     return names
 
@@ -195,4 +198,26 @@ def verify_same_model(module: nn.Module, ignore: set[str], settings: dict, group
     or buckets would not line up (see :mod:`dptrain.parallel._verify`).
     """
     _verify.verify_same_model(module, group, dist.get_rank(group), "DistributedDataParallel",
-                              list(settings.items()), ignore, error=DDPSetupError)
+                              list(settings.items()), ignore, error=_different_models)
+
+
+def _different_models(message: str) -> DDPSetupError:
+    # PyTorch's opening words first, for those who search their logs for them.
+    return DDPSetupError(f"DDP expects same model across all ranks, but {message}")
+
+
+def warn_ignored_arguments(check_reduction: bool, bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> None:
+    """PyTorch's FutureWarning for ``check_reduction``; ours for a ``bucket_cap_mb`` that a list overrides."""
+    if check_reduction:
+        warnings.warn(
+            "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
+            "using it.",
+            FutureWarning,
+            stacklevel=4,
+        )
+    if bucket_cap_mb_list and bucket_cap_mb is not None:
+        warnings.warn(
+            f"DistributedDataParallel: bucket_cap_mb={bucket_cap_mb} is ignored because bucket_cap_mb_list "
+            "gives the size of every bucket",
+            stacklevel=4,
+        )

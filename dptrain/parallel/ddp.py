@@ -1,9 +1,10 @@
 """DistributedDataParallel: one model replica per rank, gradients averaged by our reducer.
 
-A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (PyTorch 2.13's constructor,
-same numerics): construction checks that every rank built the same model and copies rank
-0's parameters and buffers to all; each forward broadcasts buffers (BatchNorm statistics)
-from rank 0; backward averages gradients through :class:`dptrain.parallel.reducer.Reducer`.
+A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (the installed PyTorch's
+constructor arguments, up to 2.13's; same numerics): construction checks that every rank
+built the same model and copies rank 0's parameters and buffers to all; each forward
+broadcasts buffers (BatchNorm statistics) from rank 0; backward averages gradients through
+:class:`dptrain.parallel.reducer.Reducer`.
 
 [Note: torch.compile]
 ``torch.compile(dptrain.DDP(model))`` compiles the wrapped module and leaves the wrapper's
@@ -30,6 +31,7 @@ the copy too. Without an initialized process group the loaded module is a plain 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -46,8 +48,10 @@ from dptrain.parallel._compression import AutoCompression, check_compression, ch
 from dptrain.parallel._compression import install as install_compression
 from dptrain.parallel._ddp_delayed import DelayedAllReduce
 from dptrain.parallel._ddp_join import DDPJoinHook, all_reduce_requires_sync, find_common_rank
+from dptrain.parallel._ddp_optim_in_backward import adopt_optimizers_in_backward
 from dptrain.parallel._ddp_mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
 from dptrain.parallel._ddp_setup import DDPSetupError
+from dptrain.parallel._ddp_signature import bind_arguments, check_bucket_cap_mb, installed_signature, torch_has
 from dptrain.parallel._overlap import OptimizerOverlap
 from dptrain.parallel._sink import attach_sink
 from dptrain.parallel.reducer import Reducer, bucket_size_limits
@@ -60,8 +64,10 @@ _TorchDDP = nn.parallel.DistributedDataParallel
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism: one replica per rank, gradients averaged across ranks in backward.
 
-    Drop-in for ``torch.nn.parallel.DistributedDataParallel``: PyTorch 2.13's arguments in
-    PyTorch's order, the same ``module.``-prefixed ``state_dict()``, ``no_sync()``,
+    Drop-in for ``torch.nn.parallel.DistributedDataParallel``: the installed PyTorch's
+    arguments in PyTorch's order (an argument that torch lacks, such as
+    ``forward_sync_buffers`` before 2.13, raises TypeError as PyTorch's DDP does), the
+    same ``module.``-prefixed ``state_dict()``, ``no_sync()``,
     ``join()``, ``register_comm_hook()``, ``_set_static_graph()`` and
     ``_set_params_and_buffers_to_ignore_for_model()``, pickling and ``copy.deepcopy``,
     ``torch.compile`` and ``backward(create_graph=True)``; on two CPU ranks the same
@@ -103,7 +109,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             reduce_dtype, buffer_dtype)`` (or any object with those fields): forward and
             backward in ``param_dtype``, gradients reduced in ``reduce_dtype``, buffers kept
             in ``buffer_dtype``; parameters and ``.grad`` are full precision outside forward
-            and backward. Needs a process group. Default None.
+            and backward. With ``gradient_as_bucket_view=True`` the buckets hold the
+            ``param_dtype`` gradients during backward and the reduced bucket is cast back
+            into the full-precision ``.grad``. Needs a process group. Default None.
         device_mesh: a 1-D ``DeviceMesh`` to reduce over, instead of ``process_group``.
             Default None.
         skip_all_reduce_unused_params: do not all-reduce a bucket whose parameters are all
@@ -147,13 +155,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             models (every rank raises, naming the first difference and the ranks), the
             module has no parameter that requires grad, it holds uninitialized (lazy)
             parameters, or both ``process_group`` and ``device_mesh`` were given.
+        TypeError: an argument that the installed torch's DDP does not have (PyTorch's
+            message: "got an unexpected keyword argument"), or a list as ``bucket_cap_mb``.
         ValueError: ``device_ids``/``output_device`` for a CPU or multi-device module, a
             bucket size that is not positive, only one of the two delayed-all-reduce
             arguments, an unknown ``compression``, an ``overlap_optimizer`` that cannot be
             stepped bucket by bucket, or ``compression``/``overlap_optimizer`` together
             with ``mixed_precision``.
         NotImplementedError: ``device_mesh`` sliced out of a larger mesh (DDP with tensor
-            parallelism), or ``mixed_precision`` without a process group.
+            parallelism), ``mixed_precision`` without a process group, or an argument of a
+            torch newer than dptrain.
 
     Example:
         >>> dptrain.init()
@@ -166,7 +177,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         >>> fast = torch.compile(model)           # compiled module, same reducer
     """
 
-    def __init__(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The installed torch's arguments, no more (see dptrain.parallel._ddp_signature).
+        self._construct(**bind_arguments(self, args, kwargs, _IMPLEMENTED))
+
+    def _construct(
         self,
         module: nn.Module,
         device_ids: Sequence[int | torch.device] | None = None,
@@ -210,21 +225,27 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_type, self.device_ids = setup.check_devices(managed, device_ids, output_device)
         self.output_device = setup.output_device_index(self.device_ids, output_device)
         self.device = managed[0].device
-        sync = setup.resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
+        sync = setup.resolve_buffer_sync(broadcast_buffers, forward_sync_buffers, torch_has("forward_sync_buffers"))
         self.forward_sync_buffers, init_sync_buffers = sync
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
-        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb)
         self.bucket_cap_mb_list = list(bucket_cap_mb_list) if bucket_cap_mb_list else None
         self.bucket_bytes_cap = max(bucket_size_limits(bucket_cap_mb, bucket_cap_mb_list))  # read by dynamo
+        # PyTorch's attributes: the per-bucket byte limits ([] without bucket_cap_mb_list) and
+        # whether the default 1 MiB first bucket applies.
+        self.bucket_bytes_cap_list = bucket_size_limits(None, self.bucket_cap_mb_list) if self.bucket_cap_mb_list else []
+        self.bucket_bytes_cap_default = bucket_cap_mb is None and not self.bucket_cap_mb_list
+        self.broadcast_bucket_size = setup.BROADCAST_BUCKET_BYTES  # PyTorch's attribute (parameter broadcasts)
         self.mixed_precision = mixed_precision
         self.static_graph = False  # set by _set_static_graph() below, as in PyTorch
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self._lazy_init_ran = False  # see _pre_forward: optimizers in backward are adopted then
         self._divide_by_initial_world_size = True
-        self._warn_ignored_arguments(check_reduction, bucket_cap_mb, bucket_cap_mb_list)
+        setup.warn_ignored_arguments(check_reduction, bucket_cap_mb, bucket_cap_mb_list)
         self._check_mixed_precision()
         self.compression = check_compression(compression)
         self._auto_compression: AutoCompression | None = None
@@ -273,21 +294,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                 )
         return managed or list(module.parameters())
 
-    def _warn_ignored_arguments(self, check_reduction: bool, bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> None:
-        if check_reduction:
-            warnings.warn(
-                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
-                "using it.",
-                FutureWarning,
-                stacklevel=3,
-            )
-        if bucket_cap_mb_list and bucket_cap_mb is not None:
-            warnings.warn(
-                f"DistributedDataParallel: bucket_cap_mb={bucket_cap_mb} is ignored because bucket_cap_mb_list "
-                "gives the size of every bucket",
-                stacklevel=3,
-            )
-
     def _check_mixed_precision(self) -> None:
         if self.mixed_precision is None:
             return
@@ -295,11 +301,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise NotImplementedError(
                 "DistributedDataParallel(mixed_precision=...) needs an initialized process group (dptrain.init() "
                 "under dptrain run or torchrun); in a single process use torch.autocast instead"
-            )
-        if self.gradient_as_bucket_view:
-            raise ValueError(
-                "mixed_precision and gradient_as_bucket_view=True cannot be combined: the buckets hold param_dtype "
-                "gradients while .grad must be full precision; drop gradient_as_bucket_view"
             )
 
     def _settings(self, static_graph: bool) -> dict:
@@ -366,6 +367,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             return inputs, kwargs
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             reducer.check_prior_reduction()
+        if not self._lazy_init_ran:  # PyTorch's moment: before the first forward, after the constructor
+            self._lazy_init_ran = True
+            adopt_optimizers_in_backward(reducer, reducer.params)
         work = Join.notify_join_context(self)
         if work is not None:
             reducer.set_divisor_work(work, self._divide_by_initial_world_size)
@@ -509,6 +513,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._distributed = self.process_group is not None
         self._rank = dist.get_rank(self.process_group) if self._distributed else 0
         self.reducer = None
+        self._lazy_init_ran = False  # the copy's reducer adopts the copy's optimizers in backward
         if not self._distributed:
             self._mixed_precision = None
             return
@@ -638,4 +643,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         return _dp.gather(outputs, device, self.dim)
 
 
+_IMPLEMENTED = frozenset(inspect.signature(DistributedDataParallel._construct).parameters)
+DistributedDataParallel.__init__.__signature__ = installed_signature()  # what inspect and IDEs show
 DDP = DistributedDataParallel

@@ -65,6 +65,7 @@ from dptrain.parallel._buckets import (
     reached_params,
 )
 from dptrain.parallel._hook_pipeline import flush_hook_state
+from dptrain.parallel._profiling import profiling, record_collective, record_span
 from dptrain.parallel._rebuild import BucketRebuild
 from dptrain.parallel._sink import new_anchor
 
@@ -230,8 +231,9 @@ class Reducer:
         """Switch to static-graph mode; only before the first backward (PyTorch's rule)."""
         if self.num_iterations > 0 or self._static_counts is not None:
             raise RuntimeError(
-                "_set_static_graph() must be called after DistributedDataParallel(...) and before the first "
-                "training iteration; pass static_graph=True to the constructor instead"
+                "_set_static_graph() should be called before training loop starts and after "
+                "DistributedDataParallel is constructed (PyTorch's wording): this DDP has trained already; pass "
+                "static_graph=True to the constructor instead"
             )
         self.static_graph = True
         self.find_unused_parameters = False
@@ -295,7 +297,11 @@ class Reducer:
         self._div = None
         self._rebuild.start_backward(self._static_first_iteration)
         if self.find_unused_parameters:
-            reached = reached_params(outputs)
+            if profiling():
+                with record_span("torch.distributed.ddp.reducer::search_unused_parameters"):  # PyTorch's name
+                    reached = reached_params(outputs)
+            else:
+                reached = reached_params(outputs)
             self._unused_now = [i for i, p in enumerate(self.params) if id(p) not in reached]
         elif self.static_graph and self._static_counts is not None:
             self._static_remaining = list(self._static_counts)
@@ -482,7 +488,10 @@ class Reducer:
         when a joined rank all-reduces zeros (``flat`` is then not the bucket itself).
         """
         if self.shm is not None:
-            return self.shm.all_reduce(flat, tag=f"bucket {index}", slot=self.buckets[index].flat)
+            work = self.shm.all_reduce(flat, tag=f"bucket {index}", slot=self.buckets[index].flat)
+            if profiling():  # gloo records its own; see dptrain.parallel._profiling
+                record_collective(f"{dist.get_backend(self.process_group)}:all_reduce", work)
+            return work
         return dist.all_reduce(flat, group=self.process_group, async_op=True)
 
     def _run_hook(self, bucket: _Bucket, buffer: torch.Tensor) -> Any:
