@@ -15,6 +15,7 @@ from torch.nn import functional as F
 import dptrain
 from dptrain.parallel import _compression, comm_hooks
 from tests._dist import run_ranks
+from tests.parallel._torch_args import needs_torch_args
 
 
 def _layers():
@@ -182,6 +183,7 @@ def _skip_last(rank):
     return ddp.module.first.weight.grad.clone()
 
 
+@needs_torch_args("skip_all_reduce_unused_params")
 def test_powersgd_finishes_when_the_last_bucket_is_skipped():
     a, b = run_ranks(_skip_last, 2, timeout=60)
     assert torch.equal(a, b)
