@@ -25,7 +25,8 @@ __all__ = ["DDPJoinHook", "find_common_rank", "all_reduce_requires_sync", "shado
 def find_common_rank(ddp: Any, rank: int, candidate: bool) -> int:
     """The highest group rank among candidates (PyTorch's rule for join's authoritative rank)."""
     t = torch.tensor([rank if candidate else -1], device=ddp.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    with comm.guarded("DDP join (the last rank to join)", ddp.process_group):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
     return int(t.item())
 
 
@@ -61,7 +62,7 @@ class DDPJoinHook(JoinHook):
         ddp = self.ddp
         src = find_common_rank(ddp, ddp._rank, is_last_joiner)
         tensors = setup.managed_tensors(ddp.module, ddp.parameters_to_ignore, ddp.forward_sync_buffers)
-        setup.broadcast_coalesced(tensors, src, ddp.process_group)
+        setup.broadcast_coalesced(tensors, src, ddp.process_group, "DDP join (final model broadcast)")
 
 
 def shadow_backward(reducer: Any) -> None:
@@ -80,7 +81,8 @@ def shadow_backward(reducer: Any) -> None:
         # [Note: join and the used map] Like PyTorch, a joined rank contributes the map left
         # from its last reduction (reduced in place, so it only grows), not zeros: parameters
         # used before it joined count as used, and get zero gradients instead of None.
-        dist.all_reduce(reducer._used_map(reducer.params[0].device), group=reducer.process_group)
+        with comm.guarded("DDP join (used parameters of a joined rank)", reducer.process_group):
+            dist.all_reduce(reducer._used_map(reducer.params[0].device), group=reducer.process_group)
     _shadow_rebuild_decision(reducer, zeros)
     reducer.num_iterations += 1
     if reducer.observer is not None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _get_device_index
 
+from dptrain import comm
 from dptrain._tensors import map_tensors
 from dptrain.parallel import _verify
 
@@ -33,8 +34,11 @@ class DDPSetupError(ValueError, RuntimeError):
     """
 
 
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Any) -> None:
-    """Broadcast ``tensors`` from group rank ``src``: one flat broadcast per dtype/device (and 250 MiB)."""
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Any, what: str = "DDP broadcast") -> None:
+    """Broadcast ``tensors`` from group rank ``src``: one flat broadcast per dtype/device (and 250 MiB).
+
+    Guarded as ``what`` (see :func:`dptrain.comm.guarded`): a peer that died or stalls is named.
+    """
     chunks: dict[tuple, list[list[torch.Tensor]]] = {}
     sizes: dict[tuple, int] = {}
     for t in tensors:
@@ -51,7 +55,8 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Any) -
         for chunk_list in chunks.values():
             for chunk in chunk_list:
                 flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-                dist.broadcast(flat, src=global_src, group=group)
+                with comm.guarded(f"{what} from rank {src}", group):
+                    dist.broadcast(flat, src=global_src, group=group)
                 if me != src:
                     offset = 0
                     for t in chunk:

@@ -267,11 +267,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         """The collectives of construction (in PyTorch's order), then the reducer."""
         if delayed:
             self._delayed = DelayedAllReduce(delayed, hook_param, self.process_group)
-            setup.broadcast_coalesced([p.detach() for _, p in delayed], 0, self.process_group)
+            setup.broadcast_coalesced([p.detach() for _, p in delayed], 0, self.process_group,
+                                      "DDP initial broadcast of the delayed parameters")
         if init_sync and self._reducer_params()[0]:
             setup.verify_same_model(self.module, self.parameters_to_ignore, self._settings(static), self.process_group)
             tensors = setup.managed_tensors(self.module, self.parameters_to_ignore, sync_buffers)
-            setup.broadcast_coalesced(tensors, 0, self.process_group)
+            setup.broadcast_coalesced(tensors, 0, self.process_group, "DDP initial broadcast of the model")
         params = self._reducer_params()[0]
         if params:  # a collective: every rank decides together whether memory can be shared
             self._shm = _shm_nodes.for_reducer(params, self.process_group, self._shm_wish, "DDP gradient all-reduce")
@@ -434,7 +435,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _sync_buffers(self, src: int) -> None:
         buffers = self._managed_buffers()
         with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-            setup.broadcast_coalesced(buffers, src, self.process_group)
+            setup.broadcast_coalesced(buffers, src, self.process_group, "DDP buffer broadcast (forward)")
 
     # ------------------------------------------------------------------ settings after construction
     @property

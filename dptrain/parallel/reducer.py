@@ -564,7 +564,7 @@ class Reducer:
         if track_used:
             used = self._used_map(self.params[0].device)
             used.copy_(torch.tensor(list(self._local_used), dtype=torch.int32))
-            dist.all_reduce(used, group=self.process_group)
+            comm.wait(dist.all_reduce(used, group=self.process_group, async_op=True), "DDP used-parameter all-reduce", self.process_group)
             self._global_unused = [u == 0 for u in used.tolist()]
             self._local_used = bytearray(len(self.params))
         elif not self.static_graph:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain import comm
 from dptrain.parallel.fsdp._collectives import all_gather_flat, reduce_scatter_flat, wait
 
 __all__ = ["FlatParamUnit", "ShardingStrategy", "UnitState"]
@@ -163,7 +164,8 @@ class FlatParamUnit:
                 full[info.offset : info.offset + info.numel].copy_(p.detach().reshape(-1))
             if sync_module_states and self.world > 1:
                 src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-                dist.broadcast(full, src=src, group=self.group)
+                with comm.guarded(f"FSDP broadcast of unit '{self.name}' (sync_module_states) from rank 0", self.group):
+                    dist.broadcast(full, src=src, group=self.group)
         if self.strategy == ShardingStrategy.NO_SHARD:
             shard = full
         else:

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain import env
+from dptrain import comm, env
 from dptrain.parallel._verify import verify_same_model
 from dptrain.parallel.fsdp import _state_dict
 from dptrain.parallel.fsdp._collectives import attach_shared_memory, wait
@@ -144,8 +144,9 @@ class FullyShardedDataParallel(nn.Module):
         if sync_module_states and self._world > 1:
             with torch.no_grad():
                 src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-                for buf in module.buffers():
-                    dist.broadcast(buf, src=src, group=process_group)
+                with comm.guarded("FSDP broadcast of the buffers (sync_module_states) from rank 0", process_group):
+                    for buf in module.buffers():
+                        dist.broadcast(buf, src=src, group=process_group)
         self._state = RootState(bool(backward_prefetch))
         self._key_order = record_key_order(module)
         self._units: list[FlatParamUnit] = []
