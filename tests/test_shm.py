@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 import dptrain
-from dptrain import _rendezvous, _shm, _shm_segment
+from dptrain import _rendezvous, _shm
+from dptrain._shm import segment as _shm_segment
 from tests import _dist
 from tests._dist import run_ranks
 

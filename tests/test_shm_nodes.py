@@ -1,4 +1,4 @@
-"""Shared memory inside each node of a job across nodes (dptrain/_shm_nodes.py).
+"""Shared memory inside each node of a job across nodes (dptrain/_shm/nodes.py).
 
 Two network namespaces are two nodes (their own network, as a real second machine; see
 benchmarks/netlink.py), two ranks in each. Root and iproute2 are needed; without them the
@@ -11,7 +11,7 @@ import re
 import pytest
 
 from benchmarks import netlink
-from dptrain._shm_nodes import layout
+from dptrain._shm.nodes import layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "node_shm.py")

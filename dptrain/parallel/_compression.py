@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain import comm
-from dptrain._shm_segment import _node_identity  # the node test of shared memory
+from dptrain._shm import node_identity  # the node test of shared memory
 from dptrain.parallel import comm_hooks
 from dptrain.parallel._overlap import check_optimizer
 from dptrain.parallel._powersgd import PowerSGDState
@@ -183,7 +183,7 @@ class AutoCompression:
         self._samples, self._seen = [], 0
         if option == "fp32":
             self._fp32 = (window, exposed, backward)
-            self._nodes = len({tuple(n) for n in comm.all_gather_object(_node_identity(), group=group)})
+            self._nodes = len({tuple(n) for n in comm.all_gather_object(node_identity(), group=group)})
         nbytes = sum(b.numel * b.flat.element_size() for b in reducer.buckets)
         choice, why = decide(self._nodes, self.uses_shm, *self._fp32, nbytes, self._timings)
         if choice is None:  # try the next option

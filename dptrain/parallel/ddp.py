@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from dptrain import _shm_nodes
+from dptrain import _shm
 from dptrain._tensors import move_to_device
 from dptrain.parallel import dp as _dp
 from dptrain.parallel import _ddp_setup as setup
@@ -275,7 +275,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             setup.broadcast_coalesced(tensors, 0, self.process_group, "DDP initial broadcast of the model")
         params = self._reducer_params()[0]
         if params:  # a collective: every rank decides together whether memory can be shared
-            self._shm = _shm_nodes.for_reducer(params, self.process_group, self._shm_wish, "DDP gradient all-reduce")
+            self._shm = _shm.for_reducer(params, self.process_group, self._shm_wish, "DDP gradient all-reduce")
         self._build_reducer()
 
     def _check_module(self, module: nn.Module, has_delayed: bool) -> list[nn.Parameter]:

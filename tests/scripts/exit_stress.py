@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 import dptrain
-from dptrain import _heartbeat, _shm_segment, comm, env
+from dptrain import _heartbeat, comm, env
+from dptrain._shm import segment as _shm_segment
 from dptrain._rendezvous import describe_exit as _describe_exit, free_port
 
 EXITS = ("shutdown", "nothing", "destroy", "sys_exit", "exception", "os_exit", "sigterm")

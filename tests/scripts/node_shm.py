@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import dptrain
-from dptrain import _shm_nodes
+from dptrain._shm import nodes as _shm_nodes
 
 dptrain.init()
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -316,7 +316,7 @@ class _Segment:
         """Sum the buffer at ``offset`` of every region into all of them (see the protocol note).
 
         ``between(chunk)``, when given, completes this rank's chunk of the sum in place before
-        it is copied out (across nodes: the all-reduce with the other nodes, see _shm_nodes).
+        it is copied out (across nodes: the all-reduce with the other nodes, see dptrain._shm.nodes).
         """
         self.barrier(op, (1 | zlib.crc32(str(dtype).encode()) << 8, offset, numel * dtype.itemsize))
         per = -(-numel // self.n)

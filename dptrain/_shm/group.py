@@ -18,7 +18,7 @@ collectives, unmaps the segment and exits.
 
 The segment itself -- its privacy and lifetime, the two-barrier protocol, the summation
 order, waiting without spinning, and noticing a dead rank -- is described in
-:mod:`dptrain._shm_segment`.
+:mod:`dptrain._shm.segment`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dptrain._shm_segment import (
+from dptrain._shm.segment import (
     _ALIGN,
     SEGMENT_PREFIX,
     ShmPeerError,
@@ -176,7 +176,7 @@ class ShmGroup:
         self.world_size = segment.n
         self.region_bytes = segment.region
         self._next = 0  # bump allocator inside this rank's region (same offsets on every rank)
-        # Set on the node groups of a job across nodes (dptrain._shm_nodes): completes each
+        # Set on the node groups of a job across nodes (dptrain._shm.nodes): completes each
         # rank's chunk of a node's sum with the other nodes' before it is copied out.
         self.between: Callable[[torch.Tensor], None] | None = None
         self._runner = _Runner(segment)

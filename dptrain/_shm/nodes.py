@@ -33,9 +33,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from dptrain import _shm, comm
-from dptrain._shm import ShmGroup, region_for
-from dptrain._shm_segment import _local_obstacle, _node_identity, shm_disabled_by_env
+from dptrain import comm
+from dptrain._shm import group as _group
+from dptrain._shm.group import ShmGroup, region_for
+from dptrain._shm.segment import _local_obstacle, _node_identity, shm_disabled_by_env
 
 __all__ = ["for_reducer", "for_parameters", "node_groups", "layout"]
 
@@ -90,7 +91,7 @@ def for_reducer(params: Sequence[torch.Tensor], group: Any, want: bool | None, w
         ValueError: ``want`` is True and neither can be used (the one-node reason).
     """
     try:
-        flat = _shm.for_parameters(params, group, want, what)
+        flat = _group.for_parameters(params, group, want, what)
     except ValueError:  # shm=True and one segment for all ranks cannot be: one per node may
         across = for_parameters(params, group, want, what)
         if across is None:
@@ -100,7 +101,7 @@ def for_reducer(params: Sequence[torch.Tensor], group: Any, want: bool | None, w
 
 
 def for_parameters(params: Sequence[torch.Tensor], group: Any, want: bool | None, what: str) -> ShmGroup | None:
-    """Like :func:`dptrain._shm.for_parameters`, for a job across nodes; collective."""
+    """Like :func:`dptrain._shm.group.for_parameters`, for a job across nodes; collective."""
     nbytes, devices = region_for(params)
     return node_groups(group, nbytes, what=what, want=want, devices=devices)
 

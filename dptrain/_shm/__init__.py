@@ -1,0 +1,32 @@
+"""Shared memory for the ranks of one node (CPU tensors): the one door of this package.
+
+Everything outside the package imports from here:
+
+* :class:`ShmGroup`, :class:`Work`, :class:`ShmPeerError` -- a group's collectives
+  (``group.py``: the worker thread, the all-reduce, all-gather and reduce-scatter in place);
+* :func:`for_reducer` -- DDP's choice: one segment on one node, one per node across nodes
+  (``nodes.py``), or none;
+* :func:`close_all` -- end every group's worker thread (``dptrain.shutdown`` and exit);
+* :func:`node_identity`, :func:`shm_disabled_by_env`, :data:`SEGMENT_PREFIX` -- which node
+  this is, whether ``DPTRAIN_SHM=0`` turned sharing off, and how segments are named
+  (``segment.py``: the file, its mapping, the protocol, a dead peer's detection).
+"""
+
+from __future__ import annotations
+
+from dptrain._shm.group import ShmGroup, Work, close_all, for_parameters
+from dptrain._shm.nodes import for_reducer
+from dptrain._shm.segment import SEGMENT_PREFIX, ShmPeerError, shm_disabled_by_env
+from dptrain._shm.segment import _node_identity as node_identity
+
+__all__ = [
+    "SEGMENT_PREFIX",
+    "ShmGroup",
+    "ShmPeerError",
+    "Work",
+    "close_all",
+    "for_parameters",
+    "for_reducer",
+    "node_identity",
+    "shm_disabled_by_env",
+]
