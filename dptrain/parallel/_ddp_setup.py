@@ -9,20 +9,19 @@ built the same model.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _get_device_index
 
-from dptrain import comm
+from dptrain.comm import BROADCAST_BUCKET_BYTES, broadcast_coalesced  # noqa: F401 - DDP's broadcasts, as setup.*
 from dptrain._tensors import map_tensors
 from dptrain.parallel import _verify
 
 __all__ = ["DDPSetupError", "output_device_index", "map_tensors"]
 
-BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # PyTorch's broadcast_bucket_size
 IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"  # PyTorch's name: models marked for torch work here
 
 
@@ -32,36 +31,6 @@ class DDPSetupError(ValueError, RuntimeError):
     It is also a ``ValueError``, which dptrain raised before, so ``except RuntimeError`` (as
     for PyTorch's DDP) and ``except ValueError`` both catch it.
     """
-
-
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Any, what: str = "DDP broadcast") -> None:
-    """Broadcast ``tensors`` from group rank ``src``: one flat broadcast per dtype/device (and 250 MiB).
-
-    Guarded as ``what`` (see :func:`dptrain.comm.guarded`): a peer that died or stalls is named.
-    """
-    chunks: dict[tuple, list[list[torch.Tensor]]] = {}
-    sizes: dict[tuple, int] = {}
-    for t in tensors:
-        key = (t.dtype, t.device)
-        nbytes = t.numel() * t.element_size()
-        if key not in chunks or sizes[key] + nbytes > BROADCAST_BUCKET_BYTES:
-            chunks.setdefault(key, []).append([])
-            sizes[key] = 0
-        chunks[key][-1].append(t)
-        sizes[key] += nbytes
-    me = dist.get_rank(group)
-    global_src = dist.get_global_rank(group, src) if group is not None else src
-    with torch.no_grad():
-        for chunk_list in chunks.values():
-            for chunk in chunk_list:
-                flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-                with comm.guarded(f"{what} from rank {src}", group):
-                    dist.broadcast(flat, src=global_src, group=group)
-                if me != src:
-                    offset = 0
-                    for t in chunk:
-                        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                        offset += t.numel()
 
 
 def resolve_group(process_group: Any, device_mesh: Any) -> Any:

@@ -132,21 +132,6 @@ class Strategy:
         optimizer.load_state_dict(state)
 
 
-def _broadcast_buffers(model: nn.Module) -> None:
-    """Rank 0's buffers on every rank: one broadcast per dtype and device, not one per buffer."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for buf in model.buffers():
-        groups.setdefault((buf.dtype, buf.device), []).append(buf)
-    with torch.no_grad():
-        for bufs in groups.values():
-            flat = torch.cat([b.detach().reshape(-1) for b in bufs])
-            comm.broadcast(flat, src=0)
-            offset = 0
-            for b in bufs:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                offset += b.numel()
-
-
 class _Replicated(Strategy):
     """What the strategies that keep one model across ranks share.
 
@@ -162,7 +147,7 @@ class _Replicated(Strategy):
 
     def sync_buffers(self, model: nn.Module) -> None:
         if comm.is_distributed():
-            _broadcast_buffers(model)
+            comm.broadcast_coalesced(list(model.buffers()), 0, name="rank 0's buffers before an evaluation")
 
 
 class _DDPStrategy(_Replicated):
