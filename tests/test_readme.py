@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
+
+from tests._venv import OFFLINE_PIP, fresh_clone, python_holding_torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,19 +36,6 @@ def _quick_start_lines() -> list[str]:
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 
-def _fresh_clone(dest: str) -> None:
-    """What `git clone` of this checkout gives: its tracked files, as they are now."""
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60)
-    if listed.returncode != 0:
-        import pytest
-
-        pytest.skip(f"not a git checkout, so there is no clone to make: {listed.stderr.decode()[-300:]}")
-    for name in listed.stdout.decode().split("\0"):
-        if name and os.path.isfile(os.path.join(ROOT, name)):
-            os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, name), os.path.join(dest, name))
-
-
 def _our_install_state() -> dict[str, float]:
     """The files by which this interpreter's environment finds dptrain (must not change)."""
     out = {}
@@ -66,32 +54,23 @@ def _site_dirs() -> list[str]:
 def test_the_quick_start_commands_run_as_written_from_a_fresh_clone(tmp_path):
     """`make demo`, then every Quick start line as written, in a fresh shell with a clean PATH.
 
-    `make demo`'s set-up is done here as the Makefile does it, without a second torch and
-    without the network: the clone's .venv sees this interpreter's packages (torch, numpy,
-    pip, setuptools) through a .pth file, and dptrain is installed into it from the clone,
-    editable. This environment's own install is never touched (checked at the end). The
-    demo itself runs through `make demo` with a short DEMO_ARGS; `make test` is this suite.
+    `make demo` does its own set-up (tools/make_venv.py), offline: `python3` here is a venv
+    Python that holds this interpreter's packages (torch, numpy, pip, setuptools), as on a GPU
+    machine, so the clone's .venv reuses them and dptrain is installed into it from the
+    clone, editable. This environment's own install is never touched (checked at the end).
+    The demo runs with a short DEMO_ARGS; `make test` is this suite.
     """
     lines = _quick_start_lines()
     assert lines[0].startswith("make demo"), lines
     clone = str(tmp_path / "clone")
-    _fresh_clone(clone)
+    fresh_clone(clone)
     before = _our_install_state()
+    python3 = python_holding_torch(str(tmp_path / "python3"))
     clean = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-             "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INDEX": "1"}
-    venv = os.path.join(clone, ".venv")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120, env=clean)
-    vpy = os.path.join(venv, "bin", "python")
-    purelib = subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=clean,
-                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
-    with open(os.path.join(purelib, "_outer_packages.pth"), "w") as fh:
-        fh.write("\n".join(_site_dirs()) + "\n")
-    install = subprocess.run([vpy, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", clone],
-                             cwd=clone, env=clean, capture_output=True, text=True, timeout=300)
-    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
-    open(os.path.join(venv, ".installed"), "w").close()  # the Makefile's mark that its set-up is done
+             **OFFLINE_PIP}
 
-    demo = subprocess.run(["make", "demo", "DEMO_ARGS=--num_epochs 1 --width 4 --batch_size 64"], cwd=clone, env=clean,
+    demo = subprocess.run(["make", "demo", f"PYTHON={python3}", "DEMO_ARGS=--num_epochs 1 --width 4 --batch_size 64"],
+                          cwd=clone, env=clean,
                           capture_output=True, text=True, timeout=300)
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     assert re.search(r"test accuracy: \d\.\d{4}", demo.stdout), demo.stdout[-2000:]

@@ -9,6 +9,7 @@ The Makefile must reuse that torch, not install another, and fetch nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._venv import OFFLINE_PIP, fresh_clone, purelib, python_holding_torch
 
 
 def _offline_prefix() -> list[str]:
@@ -29,33 +30,19 @@ def _offline_prefix() -> list[str]:
     return []
 
 
-def _purelib(python: str) -> str:
-    return subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                   text=True).strip()
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="builds virtual environments with POSIX paths")
 def test_make_venv_reuses_the_torch_of_a_venv_python_without_network(tmp_path):
     # The user's environment: python3 of a venv whose packages (torch among them) are ours.
-    user = tmp_path / "user-env"
-    subprocess.check_call([sys.executable, "-m", "venv", "--without-pip", str(user)])
-    user_python = str(user / "bin" / "python")
+    user_python = python_holding_torch(str(tmp_path / "user-env"))
     ours = sysconfig.get_paths()["purelib"]  # where this test's torch lives
-    with open(os.path.join(_purelib(user_python), "gpu_box_packages.pth"), "w") as f:
-        f.write(f"import site; site.addsitedir({ours!r})\n")
-
-    # A copy of the project (what `git clone` gives), so that the editable install is the copy's.
+    # A clone of the project, so that the editable install is the clone's.
     project = tmp_path / "checkout"
-    project.mkdir()
-    for name in ("Makefile", "pyproject.toml", "README.md"):
-        shutil.copy(os.path.join(ROOT, name), project / name)
-    for name in ("tools", "dptrain"):
-        shutil.copytree(os.path.join(ROOT, name), project / name, ignore=shutil.ignore_patterns("__pycache__"))
+    fresh_clone(str(project))
 
     # No network: no index, none of this machine's local wheel folders, and (where possible) no
     # network interface at all. Only what the user's environment holds can be used.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV"))}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_FIND_LINKS="", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env.update(OFFLINE_PIP)
     out = subprocess.run([*_offline_prefix(), "make", "-C", str(project), "venv", f"PYTHON={user_python}"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -71,14 +58,12 @@ def test_make_venv_reuses_the_torch_of_a_venv_python_without_network(tmp_path):
     seen = subprocess.run([venv_python, "-c", probe], capture_output=True, text=True, env=env, timeout=120,
                           cwd=tmp_path)  # (not the checkout: "-c" puts the working folder first on sys.path)
     assert seen.returncode == 0, seen.stderr
-    import json
-
     version, torch_file, dptrain_file = json.loads(seen.stdout.strip().splitlines()[-1])
     assert version == torch.__version__
     assert torch_file.startswith(ours), f"the new .venv imports torch from {torch_file}, not the user's {ours}"
     assert dptrain_file.startswith(str(project)), dptrain_file  # the editable install is the project's
     # Nothing was installed in place of the user's torch.
-    assert not os.path.exists(os.path.join(_purelib(venv_python), "torch")), "torch was installed again into .venv"
+    assert not os.path.exists(os.path.join(purelib(venv_python), "torch")), "torch was installed again into .venv"
     cli = subprocess.run([str(project / ".venv" / "bin" / "dptrain"), "run", "--help"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert cli.returncode == 0 and "--nproc-per-node" in cli.stdout, cli.stderr
