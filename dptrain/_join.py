@@ -30,10 +30,7 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
-
-if TYPE_CHECKING:
-    from dptrain.env import World
+from typing import Any, Callable, Protocol
 
 #: Seconds ``init`` waits silently before it says what it is waiting for.
 WAIT_REPORT_S = float(os.environ.get("DPTRAIN_WAIT_REPORT_S", "30"))
@@ -86,6 +83,18 @@ def parse_joined(raw: bytes) -> set[int]:
     return {int(r) for r in raw.decode().split(",") if r.strip().isdigit()}
 
 
+class Seat(Protocol):
+    """What a report reads of the world joining (:class:`dptrain.World` has it). Named here,
+    not imported from ``env``, because ``env`` calls into this module: the arrow runs one way."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+    source: str
+
+
 class JoinWatch:
     """Reports, from a thread, what ``init`` is waiting for, until :meth:`stop`.
 
@@ -93,7 +102,7 @@ class JoinWatch:
     count themselves in under (``joined``, ``ready``); it is called only when a report is due.
     """
 
-    def __init__(self, world: World, timeout_s: float, open_reader: Callable[[], Any],
+    def __init__(self, world: Seat, timeout_s: float, open_reader: Callable[[], Any],
                  report_s: float | None = None) -> None:
         self.world = world
         self.timeout_s = timeout_s

@@ -19,9 +19,8 @@ import atexit
 import dataclasses
 import datetime
 import os
-import sys
 import warnings
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -283,6 +282,22 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     return world
 
 
+# What layers above this one hold per process group and must let go of before the group
+# is destroyed (the shared-memory groups' worker threads): they register here when they
+# load, so that this module needs to know nothing of them.
+_AT_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def at_shutdown(release: Callable[[], None]) -> None:
+    """Have :func:`shutdown` call ``release()`` before it destroys the process group.
+
+    For modules that keep resources tied to the process group; each registers once, when it
+    is loaded (a second registration of the same function is ignored).
+    """
+    if release not in _AT_SHUTDOWN:
+        _AT_SHUTDOWN.append(release)
+
+
 def shutdown() -> None:
     """Leave the job: destroy the process group that :func:`init` created.
 
@@ -293,9 +308,8 @@ def shutdown() -> None:
         >>> dptrain.shutdown()   # doctest: +SKIP
     """
     _diagnostics.reset()
-    shm = sys.modules.get("dptrain._shm")  # loaded only where a group shares memory
-    if shm is not None:
-        shm.close_all()
+    for release in list(_AT_SHUTDOWN):
+        release()
     if _STATE.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _STATE.world = None

@@ -9,10 +9,12 @@ an all-reduce is named by the others instead of hanging them.
 
 from __future__ import annotations
 
+import datetime
 import errno
 import os
 import signal
 import stat
+import threading
 import time
 import warnings
 
@@ -305,3 +307,29 @@ def _join_uneven(rank):
 
 def test_a_rank_that_joined_early_all_reduces_zeros_through_its_buckets():
     assert run_ranks(_join_uneven, 2, env=ON) == [True, True]
+
+
+def _wait_with_a_timeout(rank, gate):
+    g = _shm.ShmGroup.create(None, 1 << 16, what="test all-reduce")
+    t = torch.full((8,), float(rank + 1))
+    if rank == 1:
+        _dist.wait_event(gate)  # arrives only after rank 0's bounded wait has given up
+        g.all_reduce(t).wait()
+        return t.tolist()
+    work = g.all_reduce(t)
+    try:
+        work.wait(timeout=datetime.timedelta(milliseconds=200))
+        early = "done"
+    except _shm.ShmPeerError as exc:
+        early = str(exc)
+    _dist.set_event(gate)
+    work.wait()  # the collective went on in the worker: it completes once the peer arrives
+    dptrain.shutdown()  # the group's worker thread ends with the job, not at exit
+    return early, t.tolist(), [th.name for th in threading.enumerate() if th.name == "dptrain-shm"]
+
+
+def test_work_wait_honours_its_timeout_and_names_the_operation(tmp_path):
+    (early, total, threads), peer = run_ranks(_wait_with_a_timeout, 2, str(tmp_path / "gate"), env=ON)
+    assert early == "test all-reduce #1: not done within the 0.2s given to Work.wait(timeout=)", early
+    assert total == peer == [3.0] * 8
+    assert threads == []

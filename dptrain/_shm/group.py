@@ -24,6 +24,7 @@ order, waiting without spinning, and noticing a dead rank -- is described in
 from __future__ import annotations
 
 import atexit
+import datetime
 import queue
 import threading
 import weakref
@@ -31,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dptrain import env
 from dptrain._shm.segment import (
     _ALIGN,
     SEGMENT_PREFIX,
@@ -49,19 +51,30 @@ class Work:
     """Handle of an asynchronous shared-memory collective: ``wait()`` returns when it is done.
 
     ``wait`` raises :class:`ShmPeerError` when the collective failed (a rank that died or
-    did not arrive in time).
+    did not arrive in time), or when it is not done within the ``timeout`` given to ``wait``.
     """
 
-    __slots__ = ("_done", "_error")
+    __slots__ = ("_done", "_error", "what")
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "shared-memory collective") -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self.what = what
 
     def wait(self, timeout: Any = None) -> bool:
-        """Block until done; ``timeout`` is accepted for torch's signature, the group's own
-        collective timeout (``dptrain.init(timeout=)``) applies."""
-        self._done.wait()
+        """Block until done, at most ``timeout`` (a ``timedelta`` or seconds) when one is given.
+
+        As torch's ``Work.wait``: no timeout, or a zero one, waits for the collective itself,
+        which ends at the group's collective timeout (``dptrain.init(timeout=)``) or as soon as
+        a missing rank is found dead.
+
+        Raises:
+            ShmPeerError: the collective failed, or ``timeout`` passed first (the message names
+                the operation; the collective itself goes on in the group's worker).
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if not self._done.wait(seconds or None):
+            raise ShmPeerError(f"{self.what}: not done within the {seconds:g}s given to Work.wait(timeout=)")
         if self._error is not None:
             raise self._error
         return True
@@ -92,8 +105,8 @@ class _Runner:
         self.lock = threading.Lock()
         _RUNNERS.add(self)
 
-    def submit(self, fn: Callable[[], None]) -> Work:
-        work = Work()
+    def submit(self, fn: Callable[[], None], what: str) -> Work:
+        work = Work(what)
         with self.lock:
             if self.seg.closed:
                 raise RuntimeError(f"{self.seg.what}: the shared-memory group was closed")
@@ -153,6 +166,7 @@ def close_all() -> None:
 
 
 atexit.register(close_all)
+env.at_shutdown(close_all)  # dptrain.shutdown() too, before it destroys the process group
 
 
 class ShmGroup:
@@ -267,7 +281,7 @@ class ShmGroup:
             )
         else:
             fn = lambda: _through_slot(seg, offset, place, tensor, op, self.between)  # noqa: E731
-        return self._runner.submit(fn)
+        return self._runner.submit(fn, op)
 
     def all_gather(self, per_rank: Sequence[Sequence[torch.Tensor]], tag: str = "") -> None:
         """Copy ``per_rank[j]`` of rank j into ``per_rank[j]`` of every other rank; blocking.
@@ -292,7 +306,7 @@ class ShmGroup:
                 )
             layouts.append(layout)
         seg, op = self._seg, self._name(tag)
-        self._runner.submit(lambda: seg.all_gather_at(layouts, op)).wait()
+        self._runner.submit(lambda: seg.all_gather_at(layouts, op), op).wait()
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, tag: str = "") -> Work:
         """Gather every rank's equal ``shard`` into ``out`` (rank order, as torch's
@@ -310,7 +324,7 @@ class ShmGroup:
                 seg.all_gather_at(layouts, op)
             rows[self.rank].copy_(flat)
 
-        return self._runner.submit(run)
+        return self._runner.submit(run, op)
 
     def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, tag: str = "") -> Work:
         """Sum ``full`` over the ranks and leave this rank's chunk in ``out`` (as torch's
@@ -333,7 +347,7 @@ class ShmGroup:
                 end = min(start + room, flat_out.numel())
                 seg.reduce_scatter_at(offset, rows[:, start:end], flat_out[start:end], op)
 
-        return self._runner.submit(run)
+        return self._runner.submit(run, op)
 
     def _room(self, t: torch.Tensor, what: str, rows: int) -> int:
         """Elements per row that one piece of a collective on ``t`` can hold in the free space
