@@ -34,7 +34,14 @@ import torch
 
 from dptrain.seeding import get_rng_state, set_rng_state
 
-__all__ = ["TrainState"]
+__all__ = ["TrainState", "reads_state"]
+
+
+def reads_state(name: str) -> property:
+    """A Trainer attribute that reads its TrainState (``trainer.epoch`` is ``trainer.state.epoch``);
+    the Trainer changes the progress in ``self.state`` itself."""
+    return property(lambda trainer: getattr(trainer.state, name),
+                    doc=f"``self.state.{name}``, read-only; see :class:`dptrain.train.TrainState`.")
 
 
 class TrainState:

@@ -38,7 +38,7 @@ from dptrain.train.log import TrainerLog, format_metrics
 from dptrain.train.preemption import Preempted, PreemptionWatcher, in_slurm_job, requeue_job
 from dptrain.train.profile import StepProfiler
 from dptrain.train.report import install_excepthook
-from dptrain.train.state import TrainState
+from dptrain.train.state import TrainState, reads_state
 from dptrain.train.strategy import build_scheduler, make_strategy
 
 __all__ = ["Trainer"]
@@ -164,22 +164,27 @@ class Trainer:
         self._preempted_by: int | None = None
         self._preemption = PreemptionWatcher(False)
         self.log = TrainerLog(False, None, False, False)  # the real one is made by fit()
-        self._parts = _parts.StatefulParts(self)
+        self._parts = _parts.StatefulParts(
+            strategy=self.strategy, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            scaler=self.scaler, progress=self.state, train_loader=self.train_loader, callbacks=self.callbacks,
+            checkpointer=self.checkpointer, config=cfg, world=self.world,
+        )  # fmt: skip
 
         self.checkpointer.prepare()
         candidates = self.checkpointer.resume_candidates(resume, self.world.restart_count)
         if candidates:
             path, content = self.checkpointer.read_first_readable(candidates, map_location=self.device)
-            self._parts.restore(path, content)
+            self.best_state = self._parts.restore(path, content)
+            self.resumed_from = path
 
-    # -- progress, as attributes of the Trainer (kept in self.state) ---------------------
-    epoch = _parts.delegate("epoch")
-    batch_in_epoch = _parts.delegate("batch_in_epoch")
-    global_step = _parts.delegate("global_step")
-    history = _parts.delegate("history")
-    best_metric = _parts.delegate("best_metric")
-    best_epoch = _parts.delegate("best_epoch")
-    best_step = _parts.delegate("best_step")
+    # -- progress, read from self.state (where the loop changes it) ----------------------
+    epoch = reads_state("epoch")
+    batch_in_epoch = reads_state("batch_in_epoch")
+    global_step = reads_state("global_step")
+    history = reads_state("history")
+    best_metric = reads_state("best_metric")
+    best_epoch = reads_state("best_epoch")
+    best_step = reads_state("best_step")
 
     # ------------------------------------------------------------------ construction ----
     def _loader(self, data: Any, mode: str):
@@ -238,7 +243,7 @@ class Trainer:
             CheckpointError: writing failed (e.g. a full disk), on every rank alike.
         """
         self._check_finite_weights()
-        path = self.checkpointer.save(self._parts.to_save(), path, epoch=self.epoch, step=self.global_step)
+        path = self.checkpointer.save(self._parts.to_save(self.best_state), path, epoch=self.epoch, step=self.global_step)
         self._call("on_checkpoint", path)
         return path
 
@@ -381,7 +386,7 @@ class Trainer:
                 f"{num_batches}; every rank must see the same number of batches (use dptrain.prepare_dataloader)"
             )
         if b != num_batches:  # stopped mid-epoch: the checkpoint continues from this batch
-            self.batch_in_epoch = b
+            self.state.batch_in_epoch = b
             if self.config.checkpoint_dir:
                 self.save_checkpoint()
             return
@@ -445,7 +450,7 @@ class Trainer:
         if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and b < num_batches:
             # A step checkpoint on the epoch's last batch is left to the end-of-epoch one,
             # which is taken after the dev evaluation (see [Note: bitwise resume]).
-            self.batch_in_epoch = b
+            self.state.batch_in_epoch = b
             self.save_checkpoint()
         if self.global_step % cfg.log_every_steps == 0:
             self.log.scalars({"train/step_loss": float(loss.detach()), "train/lr": self._lr()},
@@ -480,7 +485,7 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if not skip:
-            self.global_step += 1
+            self.state.global_step += 1
             _heartbeat.tick()  # the launcher's stall report counts these steps
             if self.scheduler is not None and cfg.scheduler_interval == "step":
                 self.scheduler.step()
@@ -583,7 +588,7 @@ class Trainer:
         better = self.best_metric is None or (value > self.best_metric if self.config.best_mode == "max" else value < self.best_metric)
         if not better:
             return
-        self.best_metric, self.best_epoch, self.best_step = value, epoch, self.global_step
+        self.state.best_metric, self.state.best_epoch, self.state.best_step = value, epoch, self.global_step
         self.best_state = {k: v.detach().to("cpu").clone() for k, v in self.model_state_dict(rank0_only=False).items()}
         self.checkpointer.save_best(
             {"model": self.best_state, "epoch": epoch, "metric": key, "value": value, "global_step": self.global_step}
