@@ -19,12 +19,12 @@ import signal
 import sys
 import uuid
 
-from dptrain._heartbeat import DEFAULT_TIMEOUT_S, EXITS_PUBLISHED, describe_exit, keys_prefix
+from dptrain._heartbeat import EXITS_PUBLISHED, describe_exit, keys_prefix
 from dptrain._join import WAIT_REPORT_S, ranks_text, wait_for_listener
 from dptrain.launcher.janitor import Janitor
 from dptrain.launcher.membership import Elastic, Membership
 from dptrain.launcher.relay import Console
-from dptrain.launcher.rendezvous import RendezvousServer, exit_barrier
+from dptrain.launcher.rendezvous import RendezvousServer, exit_barrier, wait_s
 from dptrain.launcher.store import StoreClient, StoreError
 from dptrain.launcher.watch import Watch, peer_failure, publish
 from dptrain.launcher.workers import (RankProcess, base_environ, finish_output, process_environ, rank_log_files,
@@ -107,6 +107,11 @@ class LaunchConfig:
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds the launcher waits for the store and for other nodes (see ``rendezvous.wait_s``)."""
+        return wait_s(self.timeout)
 
     @property
     def elastic(self) -> bool:
@@ -192,7 +197,7 @@ class _Job:
             if config.elastic:  # membership is decided in the store before any rank starts
                 self._open_store()
                 self.elastic = Elastic(self.store, config.node_rank, config.nproc_per_node, config.min_nodes,
-                                       config.nnodes, config.join_timeout, config.timeout or DEFAULT_TIMEOUT_S,
+                                       config.nnodes, config.join_timeout, config.wait_s,
                                        self.log, self._check_signals)
         except BaseException:
             self.close()
@@ -214,7 +219,7 @@ class _Job:
     def _connect(self) -> None:
         config = self.config
         self.host = config.master_addr or "127.0.0.1"
-        timeout = config.timeout or DEFAULT_TIMEOUT_S
+        timeout = config.wait_s
         self.store = None
         if config.node_rank == 0:
             # Single node: 127.0.0.1 only. Several nodes: the explicit master address only.
@@ -249,7 +254,7 @@ class _Job:
             self.server.serve()
         config = self.config
         try:
-            self.store = StoreClient(self.host, self.port, timeout=config.timeout or DEFAULT_TIMEOUT_S)
+            self.store = StoreClient(self.host, self.port, timeout=config.wait_s)
         except StoreError as exc:
             raise ValueError(f"node {config.node_rank} reached {self.host}:{self.port} but no "
                              f"rendezvous store answered there ({str(exc).strip()[:200]}); is --master-port "
@@ -372,7 +377,7 @@ def _run_attempts(job: _Job) -> int:
         failed, peer = job.watch(attempt)
         if not (signals.received or failed or peer):
             peer = exit_barrier(job.store, keys_prefix(attempt), job.layout.num_nodes, job.server is not None,
-                                config.timeout or DEFAULT_TIMEOUT_S, WAIT_REPORT_S, job.log,
+                                config.wait_s, WAIT_REPORT_S, job.log,
                                 lambda: peer_failure(job.store, attempt), job._check_signals)
         if signals.received or (failed is None and peer is None):
             break

@@ -23,7 +23,13 @@ from dptrain._join import wait_for_listener
 from dptrain.launcher.store import StoreClient, StoreServer, use_python_store
 
 __all__ = ["RendezvousServer", "free_port", "loopback_ifname", "iface_towards", "exit_barrier", "node_rank",
-           "auto_node_rank", "default_node_rank", "ARRIVALS_KEY"]
+           "auto_node_rank", "default_node_rank", "ARRIVALS_KEY", "wait_s"]
+
+
+def wait_s(timeout: float | None) -> float:
+    """Seconds a launcher waits for the store and for other nodes: ``--timeout`` (``spawn``'s
+    ``timeout=``) when given, else the ranks' own default, ``DEFAULT_TIMEOUT_S``."""
+    return timeout or DEFAULT_TIMEOUT_S
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -236,5 +242,5 @@ def node_rank(given: int | None, backend: str, addr: str | None, port: int | Non
         if nnodes[0] is not None:
             raise ValueError("elastic jobs (--nnodes MIN:MAX) number their nodes by --node-rank: give each node its own")
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        return auto_node_rank(addr, port, nnodes[1], timeout or DEFAULT_TIMEOUT_S, log)
+        return auto_node_rank(addr, port, nnodes[1], wait_s(timeout), log)
     return default_node_rank(nnodes[1])

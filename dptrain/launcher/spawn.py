@@ -16,8 +16,8 @@ import traceback
 from typing import Any, Callable, Sequence
 
 from dptrain._errors import RankFailedError
-from dptrain._heartbeat import DEFAULT_TIMEOUT_S, describe_exit
-from dptrain.launcher.rendezvous import RendezvousServer, loopback_ifname
+from dptrain._heartbeat import describe_exit
+from dptrain.launcher.rendezvous import RendezvousServer, loopback_ifname, wait_s
 from dptrain.launcher.workers import rank_environ, stop_processes
 
 __all__ = ["spawn"]
@@ -127,7 +127,7 @@ def spawn(
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"spawn needs nprocs >= 1, got {nprocs!r}")
     ctx = mp.get_context(start_method)
-    server = RendezvousServer("127.0.0.1", 0, nprocs, timeout_s=timeout or DEFAULT_TIMEOUT_S)
+    server = RendezvousServer("127.0.0.1", 0, nprocs, timeout_s=wait_s(timeout))
     server.serve()
     extra_env = dict(env or {})
     if "GLOO_SOCKET_IFNAME" not in os.environ and loopback_ifname():
