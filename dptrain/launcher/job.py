@@ -24,7 +24,7 @@ from dptrain._join import WAIT_REPORT_S, ranks_text, wait_for_listener
 from dptrain.launcher.janitor import Janitor
 from dptrain.launcher.membership import Elastic, Membership
 from dptrain.launcher.relay import Console
-from dptrain.launcher.rendezvous import RendezvousServer, exit_barrier, wait_s
+from dptrain.launcher.rendezvous import RendezvousServer, exit_barrier, failed_key, wait_s
 from dptrain.launcher.store import StoreClient, StoreError
 from dptrain.launcher.watch import Watch, peer_failure, publish
 from dptrain.launcher.workers import (RankProcess, base_environ, finish_output, process_environ, rank_log_files,
@@ -307,7 +307,7 @@ class _Job:
             code = failed.poll()
             what = (f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
                     f"{describe_exit(code)}")
-            publish(self.store, f"launcher/failed/{attempt}", f"on node {config.node_rank}: {what}")
+            publish(self.store, failed_key(attempt), f"on node {config.node_rank}: {what}")
             earlier = sorted(rank for rank, (c, _) in self.watching.exits.items() if c == 0)
             if earlier:
                 what += f" (after rank(s) {ranks_text(earlier)} had exited with code 0)"

@@ -6,7 +6,7 @@ every node's launcher and every rank connects to it. The gloo interface a node's
 the one that reaches that address (``iface_towards``; ``loopback_ifname`` on a single node).
 A node without ``--node-rank`` takes Slurm's node id or, with ``--rdzv-backend c10d``, its
 order of arrival (``node_rank``). Node 0 keeps the store up until every node's ranks have
-finished (``exit_barrier``); the key ``launcher/failed/<k>`` tells every launcher that attempt k failed
+finished (``exit_barrier``); the key ``failed_key(k)`` tells every launcher that attempt k failed
 (see [Note: restarts across nodes] in :mod:`dptrain.launcher.job`).
 """
 
@@ -23,7 +23,13 @@ from dptrain._join import wait_for_listener
 from dptrain.launcher.store import StoreClient, StoreServer, use_python_store
 
 __all__ = ["RendezvousServer", "free_port", "loopback_ifname", "iface_towards", "exit_barrier", "node_rank",
-           "auto_node_rank", "default_node_rank", "ARRIVALS_KEY", "wait_s"]
+           "auto_node_rank", "default_node_rank", "ARRIVALS_KEY", "wait_s", "failed_key"]
+
+
+def failed_key(attempt: int) -> str:
+    """The store key a launcher sets when a rank of ``attempt`` failed: every launcher stops its
+    ranks and starts the next attempt (see [Note: restarts across nodes] in ``job``)."""
+    return f"launcher/failed/{attempt}"
 
 
 def wait_s(timeout: float | None) -> float:

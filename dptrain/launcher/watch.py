@@ -1,7 +1,7 @@
 """Watching the ranks of one attempt: their exits, a failure on another node, ranks that stall.
 
 The launcher polls its ranks every ``POLL_S`` seconds and, once a second, reads the store:
-a failure another node's launcher reported (the key ``launcher/failed/<attempt>``), and
+a failure another node's launcher reported (the key ``failed_key(attempt)``), and
 the ranks' heartbeats (see [Note: heartbeats] in :mod:`dptrain._heartbeat`). A running rank
 whose heartbeat stands still for ``DPTRAIN_STALL_REPORT_S`` seconds is reported as making no
 progress; ranks that exited 0 while others still run are reported once, with what the
@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from dptrain._heartbeat import key, keys_prefix, where
 from dptrain._join import ranks_text
+from dptrain.launcher.rendezvous import failed_key
 from dptrain.launcher.workers import RankProcess, finish_output
 
 __all__ = ["Watch", "publish", "peer_failure", "POLL_S", "STALL_EVERY"]
@@ -36,7 +37,7 @@ def publish(store: Any, name: str, value: str) -> None:
 
 def peer_failure(store: Any, attempt: int) -> str | None:
     """What another node's launcher reported failed in ``attempt``, or None."""
-    name = f"launcher/failed/{attempt}"
+    name = failed_key(attempt)
     try:
         if store.check([name]):
             return store.get(name).decode()
