@@ -27,8 +27,8 @@ from dptrain.launcher.relay import Console
 from dptrain.launcher.rendezvous import RendezvousServer, exit_barrier, failed_key, wait_s
 from dptrain.launcher.store import StoreClient, StoreError
 from dptrain.launcher.watch import Watch, peer_failure, publish
-from dptrain.launcher.workers import (RankProcess, base_environ, finish_output, process_environ, rank_log_files,
-                                      read_error_file, stop_processes)
+from dptrain.launcher.workers import (RankProcess, base_environ, error_file, finish_output, process_environ,
+                                      rank_log_files, read_error_file, stop_processes)
 
 __all__ = ["LaunchConfig", "run_job"]
 
@@ -319,7 +319,7 @@ class _Job:
         self.log(f"dptrain run: {what}{stopping}")
         self.stop_all()
         if failed is not None:
-            tb = read_error_file(os.path.join(self.error_dir, f"attempt_{attempt}", str(failed.rank), "error.json"))
+            tb = read_error_file(error_file(self.error_dir, attempt, failed.rank))
             tail = tb or "\n".join(failed.tail)
             if tail:
                 self.log(f"--- last lines of rank {failed.rank} ---\n{tail}\n---")

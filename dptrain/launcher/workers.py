@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from dptrain.launcher.job import LaunchConfig
 
 __all__ = ["RankProcess", "finish_output", "stop_processes", "rank_environ", "base_environ", "process_environ",
-           "omp_threads", "read_error_file", "rank_log_files", "GRACE_S"]
+           "omp_threads", "error_file", "read_error_file", "rank_log_files", "GRACE_S"]
 
 def rank_environ(
     *,
@@ -67,7 +67,7 @@ def rank_environ(
     if error_dir is not None:
         # Where torch's @record decorator writes a rank's exception as JSON; we read it back
         # for the failure report, as torchrun does.
-        out["TORCHELASTIC_ERROR_FILE"] = os.path.join(error_dir, f"attempt_{restart_count}", str(rank), "error.json")
+        out["TORCHELASTIC_ERROR_FILE"] = error_file(error_dir, restart_count, rank)
     return out
 
 
@@ -124,6 +124,11 @@ def process_environ(base: dict[str, str], console: Console, show: bool, **torchr
         environ.setdefault("LINES", str(rows))
     os.makedirs(os.path.dirname(environ["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
     return environ
+
+
+def error_file(error_dir: str, attempt: int, rank: int) -> str:
+    """Where ``rank`` of ``attempt`` writes its exception (``TORCHELASTIC_ERROR_FILE``)."""
+    return os.path.join(error_dir, f"attempt_{attempt}", str(rank), "error.json")
 
 
 def read_error_file(path: str) -> str:
