@@ -23,10 +23,7 @@ from dptrain import _torch_version
 
 _torch_version.check()  # a clear ImportError for a torch older than dptrain supports
 
-# Imported now (neither needs torch): `dptrain.spawn` must stay the function even after the
-# module of the same name is imported, which rebinds the package attribute.
-from dptrain._errors import RankFailedError
-from dptrain.spawn import spawn
+from dptrain._errors import RankFailedError  # imported now: it needs no torch
 
 __version__ = "0.1.0"
 
@@ -57,6 +54,9 @@ _EXPORTS = {
     "seed_everything": "dptrain.seeding",
     "Trainer": "dptrain.train",
     "TrainerConfig": "dptrain.train",
+    # The function; its module is dptrain.launcher.spawn (no dptrain/spawn.py module would
+    # rebind this attribute when imported).
+    "spawn": "dptrain.launcher.spawn",
 }
 
 # The subpackages a user reaches as attributes (`dptrain.train.EarlyStopping`): imported on
@@ -66,7 +66,7 @@ _EXPORTS.update({name: f"dptrain.{name}" for name in _SUBPACKAGES})
 
 _MODULES = {"comm", "checkpoint", *_SUBPACKAGES}  # exported as modules
 
-__all__ = [*_EXPORTS, "spawn", "RankFailedError"]
+__all__ = [*_EXPORTS, "RankFailedError"]
 
 
 def __getattr__(name: str) -> Any:
@@ -88,6 +88,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from dptrain.data import DistributedSampler, gather_results, main_process_first, prepare_dataloader
     from dptrain.env import (World, device, get_world, init, is_initialized, is_main_process, local_rank, rank,
                              shutdown, world_size)
+    from dptrain.launcher.spawn import spawn
     from dptrain.parallel.ddp import DDP, DistributedDataParallel
     from dptrain.parallel.dp import DataParallel
     from dptrain.parallel.fsdp import FSDP, FullyShardedDataParallel

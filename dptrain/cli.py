@@ -259,19 +259,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return ns
 
 
-def _default_node_rank(nnodes: int) -> int:
-    """Inside a Slurm job with one ``dptrain run`` per node, the node's index is Slurm's."""
-    if nnodes > 1:
-        from dptrain.environments.slurm import node_id
-
-        found = node_id(os.environ)
-        if found is not None:
-            return found
-    return 0
-
-
 def _rendezvous(ns: argparse.Namespace) -> tuple[str | None, int | None, int]:
-    """(master address, master port, node rank) from the flags, torchrun's rendezvous spellings included."""
+    """(master address, master port, node rank) from the flags, torchrun's rendezvous spellings included.
+
+    The node rank, when not given, is the launcher's to find (see ``dptrain.launcher.rendezvous.node_rank``).
+    """
     addr, port = ns.master_addr, ns.master_port
     if ns.rdzv_endpoint:
         host, _, text = ns.rdzv_endpoint.rpartition(":") if ":" in ns.rdzv_endpoint else (ns.rdzv_endpoint, "", "")
@@ -282,27 +274,16 @@ def _rendezvous(ns: argparse.Namespace) -> tuple[str | None, int | None, int]:
         if (addr and addr != host) or (port and port != given):
             raise ValueError("--rdzv-endpoint and --master-addr/--master-port name different places; give one of them")
         addr, port = host, given
-    nnodes = ns.nnodes[1]
-    if ns.node_rank is not None:
-        return addr, port, ns.node_rank
-    if ns.rdzv_backend == "c10d" and nnodes > 1:
-        if not addr or not port:
-            raise ValueError("--rdzv-backend c10d across nodes needs --rdzv-endpoint HOST:PORT (node 0's address)")
-        if ns.nnodes[0] is not None:
-            raise ValueError("elastic jobs (--nnodes MIN:MAX) number their nodes by --node-rank: give each node its own")
-        from dptrain._heartbeat import DEFAULT_TIMEOUT_S
-        from dptrain._rendezvous import auto_node_rank
+    from dptrain.launcher.rendezvous import node_rank
 
-        log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        return addr, port, auto_node_rank(addr, port, nnodes, ns.timeout or DEFAULT_TIMEOUT_S, log)
-    return addr, port, _default_node_rank(nnodes)
+    return addr, port, node_rank(ns.node_rank, ns.rdzv_backend, addr, port, ns.nnodes, ns.timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dptrain`` console script."""
     ns = parse_args(argv)
     if ns.command == "run":
-        from dptrain.launch import LaunchConfig, run_job
+        from dptrain.launcher.job import LaunchConfig, run_job
 
         try:
             master_addr, master_port, node_rank = _rendezvous(ns)
@@ -332,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"dptrain run: error: {exc}", file=sys.stderr)
             return 2
     if ns.command == "slurm-script":
-        from dptrain.slurm import render_sbatch
+        from dptrain.launcher.sbatch import render_sbatch
 
         try:
             text = render_sbatch(ns)

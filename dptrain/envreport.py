@@ -82,7 +82,7 @@ def _variables() -> dict[str, str]:
 
 
 def _network() -> dict[str, Any]:
-    from dptrain._rendezvous import _iface_towards, _loopback_ifname
+    from dptrain.launcher.rendezvous import iface_towards, loopback_ifname
 
     host = socket.gethostname()
     try:
@@ -94,7 +94,7 @@ def _network() -> dict[str, Any]:
     if chosen:
         how = f"{chosen} (GLOO_SOCKET_IFNAME)"
     else:
-        iface = _iface_towards(target) or _loopback_ifname()
+        iface = iface_towards(target) or loopback_ifname()
         how = f"{iface} (the route to {target}; `dptrain run` sets GLOO_SOCKET_IFNAME to it)"
     return {"hostname": f"{host} -> {addr}", "gloo interface": how}
 

@@ -99,12 +99,12 @@ def test_slurm_script_per_node_runs_the_launcher_on_each_node(capsys):
 
 
 def test_node_rank_defaults_to_slurms_inside_a_job(monkeypatch):
-    from dptrain import cli
+    from dptrain.launcher import rendezvous
 
     monkeypatch.setenv("SLURM_NODEID", "2")
-    assert cli._default_node_rank(3) == 2 and cli._default_node_rank(1) == 0
+    assert rendezvous.default_node_rank(3) == 2 and rendezvous.default_node_rank(1) == 0
     monkeypatch.delenv("SLURM_NODEID")
-    assert cli._default_node_rank(3) == 0
+    assert rendezvous.default_node_rank(3) == 0
 
 
 def test_help_shows_examples_and_version(capsys):

@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 
 import dptrain
-from dptrain import _rendezvous, _shm
+from dptrain import _shm
 from dptrain._shm import segment as _shm_segment
+from dptrain.launcher.rendezvous import RendezvousServer
+from dptrain.launcher.workers import rank_environ
 from tests import _dist
 from tests._dist import run_ranks
 
@@ -173,7 +175,7 @@ def test_a_waiting_rank_sleeps_instead_of_spinning(tmp_path):
 
 # ---------------------------------------------------------------- a rank that dies
 def _entry(fn, rank, n, port, conn):
-    os.environ.update(_rendezvous.rank_environ(
+    os.environ.update(rank_environ(
         rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0, num_nodes=1,
         master_addr="127.0.0.1", master_port=port, run_id="shm-test",
     ))
@@ -188,7 +190,7 @@ def _entry(fn, rank, n, port, conn):
 
 def _run_with_a_victim(fn, n, timeout=60.0):
     """Like run_ranks, but a rank's death does not stop the others: the survivors report."""
-    server = _rendezvous._StoreServer("127.0.0.1", 0, n, timeout_s=timeout)
+    server = RendezvousServer("127.0.0.1", 0, n, timeout_s=timeout)
     server.serve()
     procs, conns = [], []
     try:

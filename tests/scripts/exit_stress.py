@@ -34,7 +34,8 @@ import torch.distributed as dist
 import dptrain
 from dptrain import _heartbeat, comm, env
 from dptrain._shm import segment as _shm_segment
-from dptrain._rendezvous import describe_exit as _describe_exit, free_port
+from dptrain._heartbeat import describe_exit as _describe_exit
+from dptrain.launcher.rendezvous import free_port
 
 EXITS = ("shutdown", "nothing", "destroy", "sys_exit", "exception", "os_exit", "sigterm")
 WORK = ("none", "all_reduce", "ddps")

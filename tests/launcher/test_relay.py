@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from dptrain._relay import Console, Relay, _Splitter
+from dptrain.launcher.relay import Console, Relay, _Splitter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROGRESS = os.path.join(ROOT, "tests", "scripts", "progress.py")
 
 

@@ -15,8 +15,10 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from dptrain._heartbeat import DEFAULT_TIMEOUT_S, describe_exit
-from dptrain._rendezvous import RankFailedError, _loopback_ifname, _StoreServer, rank_environ, stop_processes
+from dptrain._errors import RankFailedError
+from dptrain._heartbeat import describe_exit
+from dptrain.launcher.rendezvous import RendezvousServer, loopback_ifname, wait_s
+from dptrain.launcher.workers import rank_environ, stop_processes
 
 __all__ = ["spawn"]
 
@@ -32,6 +34,8 @@ def _spawn_entry(fn, rank, nprocs, port, args, conn, extra_env) -> None:
         )
     )
     os.environ.update(extra_env)
+    # Imported here, in the child only: dptrain.shutdown (dptrain.env) imports torch, which no
+    # module of the launcher may do at import (the caller's process never needs it).
     import dptrain
 
     # Results travel as plain pickles (bytes): multiprocessing's own pickler would share tensors
@@ -60,7 +64,7 @@ def _spawn_entry(fn, rank, nprocs, port, args, conn, extra_env) -> None:
 
 
 class _Rank:
-    """A spawned rank, as :func:`dptrain._rendezvous.stop_processes` asks for it."""
+    """A spawned rank, as :func:`dptrain.launcher.workers.stop_processes` asks for it."""
 
     def __init__(self, process: Any) -> None:
         self.process = process
@@ -123,11 +127,11 @@ def spawn(
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"spawn needs nprocs >= 1, got {nprocs!r}")
     ctx = mp.get_context(start_method)
-    server = _StoreServer("127.0.0.1", 0, nprocs, timeout_s=timeout or DEFAULT_TIMEOUT_S)
+    server = RendezvousServer("127.0.0.1", 0, nprocs, timeout_s=wait_s(timeout))
     server.serve()
     extra_env = dict(env or {})
-    if "GLOO_SOCKET_IFNAME" not in os.environ and _loopback_ifname():
-        extra_env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
+    if "GLOO_SOCKET_IFNAME" not in os.environ and loopback_ifname():
+        extra_env.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
     procs, conns = [], []
     try:
         for rank in range(nprocs):

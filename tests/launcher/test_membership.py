@@ -1,7 +1,7 @@
 """Elastic membership in the rendezvous store: who takes part in each attempt, in-process.
 
 Launchers are threads here, each with its own client of one store; the test across two
-network namespaces (tests/test_elastic.py) runs the same protocol between real launchers.
+network namespaces (tests/launcher/test_elastic.py) runs the same protocol between real launchers.
 """
 
 import datetime
@@ -10,8 +10,8 @@ import threading
 import pytest
 from torch import distributed as dist
 
-from dptrain._membership import Elastic, Membership
-from dptrain._rendezvous import free_port
+from dptrain.launcher.membership import Elastic, Membership
+from dptrain.launcher.rendezvous import free_port
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""dptrain's rendezvous store (dptrain/_store.py) against torch's TCPStore, both ways round.
+"""dptrain's rendezvous store (dptrain/launcher/store.py) against torch's TCPStore, both ways round.
 
 The launcher hosts the store with its own server and never imports torch; every rank talks
 to it with torch's client. These tests pin that protocol: torch's client against our server,
@@ -18,9 +18,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dptrain import _store
-from dptrain._store import StoreClient, StoreServer, StoreTimeout, use_python_store
-from tests.test_launch import SCRIPTS, dptrain_run
+from dptrain.launcher import store as _store
+from dptrain.launcher.store import StoreClient, StoreServer, StoreTimeout, use_python_store
+from tests.launcher.test_launch import SCRIPTS, dptrain_run
 
 TD = datetime.timedelta(seconds=5)
 
@@ -204,7 +204,7 @@ def test_which_server_hosts_the_store(monkeypatch):
 
 
 def test_the_installed_torch_version_is_read_without_importing_it():
-    code = "import sys; from dptrain import _store; v = _store._torch_version(); print(v, 'torch' in sys.modules)"
+    code = "import sys; from dptrain.launcher import store as _store; v = _store._torch_version(); print(v, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     import torch
 
@@ -224,7 +224,7 @@ def test_a_job_runs_with_either_server_and_only_torchs_makes_the_launcher_import
     launcher_imports = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()
                         if line.startswith("import time:")}
     assert ("torch" in launcher_imports) == (which == "torch")
-    assert "dptrain._store" in launcher_imports
+    assert "dptrain.launcher.store" in launcher_imports
 
 
 def _listen_backlog(port: int) -> int:
@@ -239,9 +239,9 @@ def _listen_backlog(port: int) -> int:
 
 def test_a_rank_connecting_before_the_store_serves_is_answered_once_it_does():
     """The launcher binds and listens first and may start serving later; early clients wait in the backlog."""
-    from dptrain._rendezvous import _StoreServer
+    from dptrain.launcher.rendezvous import RendezvousServer
 
-    server = _StoreServer("127.0.0.1", 0, 2, timeout_s=10)
+    server = RendezvousServer("127.0.0.1", 0, 2, timeout_s=10)
     try:
         answers = []
         t = threading.Thread(target=lambda: answers.append(_torch_client(server.port).add("x", 1)))

@@ -19,7 +19,7 @@ import dptrain.launch
 from dptrain.launch import LaunchConfig, RankFailedError
 from tests._dist import run_ranks, wait_event
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 
 

@@ -32,6 +32,8 @@ import time
 import uuid
 from typing import Any, Callable
 
+from dptrain.launcher.rendezvous import failed_key
+
 PREFIX = "launcher/elastic"
 DONE = f"{PREFIX}/done"
 _POLL_S = 0.2
@@ -161,7 +163,7 @@ class Elastic:
             try:
                 if self.store.check([DONE]):
                     return False
-                if self.store.check([f"launcher/failed/{attempt}"]):
+                if self.store.check([failed_key(attempt)]):
                     return True
             except Exception:  # noqa: BLE001 - node 0's store is gone: the job is over
                 return False

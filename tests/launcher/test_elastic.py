@@ -16,7 +16,7 @@ import sys
 import time
 from collections import Counter
 
-from tests.test_multinode import ADDR, ROOT, _sh, two_nodes  # noqa: F401 - the fixture
+from tests.launcher.test_multinode import ADDR, ROOT, _sh, two_nodes  # noqa: F401 - the fixture
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_elastic.py")
 SAMPLES = 240

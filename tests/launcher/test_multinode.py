@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_toy.py")
 ADDR = ("10.213.7.1", "10.213.7.2")  # exist only inside the namespaces this test creates
 

@@ -42,7 +42,7 @@ READY, NOT_READY = 0, 1  # answers to CHECK
 STOP_WAITING, WAIT_CANCELED = 0, 1  # answers to WAIT and CANCEL_WAIT
 MAX_KEYS = 128 * 1024  # torch's limits: a request past them is malformed
 MAX_VALUE = 8 * 1024 * 1024
-#: The newest torch whose clients were tested against this server (tests/test_store.py).
+#: The newest torch whose clients were tested against this server (tests/launcher/test_store.py).
 TESTED_TORCH = (2, 13)
 
 

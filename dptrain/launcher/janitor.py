@@ -16,7 +16,7 @@ of the interpreter -- two things hold:
 Protocol, one command a line: ``group PGID`` (a rank's process group), ``forget PGID``
 (stopped and reaped by the launcher), ``dir PATH`` (remove when the launcher ends), ``done``.
 
-This file imports only the standard library: it runs as ``python -I -S _janitor.py``,
+This file imports only the standard library: it runs as ``python -I -S janitor.py``,
 which starts in a few milliseconds, without torch.
 """
 

@@ -1,0 +1,409 @@
+"""``dptrain run``: start, watch and stop the ranks of a job on this node; the attempt loop.
+
+Gives every rank exactly the environment ``torchrun`` gives its workers, hosts the
+rendezvous store itself (so it outlives any rank), relays each rank's output live under a
+``[rankN]`` prefix (progress bars included, see ``relay``), and never leaves a rank
+running: when one rank fails the others are stopped (TERM, then KILL after a grace period)
+and the failure is reported with the rank, its exit code and the tail of its traceback.
+SIGINT, SIGTERM, SIGHUP and SIGQUIT stop every rank and end the launcher with 128 + the
+signal's number; if the launcher dies without a chance to do so (SIGKILL), its ranks die
+with it (see ``janitor``). ``--max-restarts`` restarts the whole job; with ``--nnodes
+MIN:MAX`` on the nodes that are still there (see ``membership``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import uuid
+
+from dptrain._heartbeat import EXITS_PUBLISHED, describe_exit, keys_prefix
+from dptrain._join import WAIT_REPORT_S, ranks_text, wait_for_listener
+from dptrain.launcher.janitor import Janitor
+from dptrain.launcher.membership import Elastic, Membership
+from dptrain.launcher.relay import Console
+from dptrain.launcher.rendezvous import RendezvousServer, exit_barrier, failed_key, wait_s
+from dptrain.launcher.store import StoreClient, StoreError
+from dptrain.launcher.watch import Watch, peer_failure, publish
+from dptrain.launcher.workers import (RankProcess, base_environ, error_file, finish_output, process_environ,
+                                      rank_log_files, read_error_file, stop_processes)
+
+__all__ = ["LaunchConfig", "run_job"]
+
+
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LaunchConfig:
+    """What ``dptrain run`` was asked to do; validated on construction.
+
+    Attributes mirror torchrun's flags: ``nproc_per_node``, ``nnodes`` (the most nodes),
+    ``node_rank``, ``master_addr``, ``master_port``; ``min_nodes`` (None: exactly ``nnodes``;
+    fewer: elastic, see :mod:`dptrain.launcher.membership`) and ``join_timeout`` (seconds node 0
+    waits at each attempt for nodes beyond ``min_nodes``); plus ``log_ranks`` (ranks whose output is shown,
+    None for all), ``max_restarts``, ``timeout`` (seconds for collectives), ``debug``,
+    ``profile`` (the Trainer's per-rank step report), ``module`` (run ``python -m``),
+    ``program`` and ``args``; ``run_id`` (the ranks' ``TORCHELASTIC_RUN_ID``; None: inherited,
+    else random); ``log_dir``, ``redirects`` and ``tee`` (torchrun's per-rank log files: 0-3
+    for every local rank, or a dict local rank -> 0-3; see ``rank_log_files``).
+    """
+
+    program: str
+    args: list[str] = dataclasses.field(default_factory=list)
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    module: bool = False
+    log_ranks: list[int] | None = None
+    max_restarts: int = 0
+    timeout: float | None = None
+    debug: bool = False
+    profile: bool = False
+    min_nodes: int | None = None
+    join_timeout: float = 30.0
+    run_id: str | None = None
+    log_dir: str | None = None
+    redirects: int | dict = 0
+    tee: int | dict = 0
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}; e.g. --nproc-per-node 2")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1} for --nnodes {self.nnodes}"
+            )
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
+            raise ValueError(f"--nnodes {self.min_nodes}:{self.nnodes}: the minimum must be between 1 and the "
+                             f"maximum, e.g. --nnodes 1:{self.nnodes}")
+        if self.join_timeout <= 0:
+            raise ValueError(f"--join-timeout must be a positive number of seconds, got {self.join_timeout}")
+        if self.nnodes > 1 and (not self.master_addr or not self.master_port):
+            raise ValueError(
+                "a job on several nodes needs an explicit rendezvous address: add "
+                "--master-addr <node 0's address> --master-port <port> on every node"
+            )
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"--master-port {self.master_port} is not a TCP port (1..65535)")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError(f"--timeout must be a positive number of seconds, got {self.timeout}")
+        if not self.module and not os.path.isfile(self.program):
+            raise ValueError(f"script {self.program!r} not found; give the path of a Python file (or -m module)")
+        if self.log_ranks is not None:
+            world = self.nproc_per_node * self.nnodes
+            bad = [r for r in self.log_ranks if not 0 <= r < world]
+            if bad:
+                raise ValueError(f"--log-ranks {bad} outside the {world} ranks of this job")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds the launcher waits for the store and for other nodes (see ``rendezvous.wait_s``)."""
+        return wait_s(self.timeout)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _Signals:
+    """Records SIGINT, SIGTERM, SIGHUP and SIGQUIT; the launcher acts on them between steps.
+
+    The handler only takes note: raising from it could land between starting a rank and
+    registering it, and leave that rank behind.
+    """
+
+    NAMES = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.count = 0
+        self.forward: list[int] = []  # SIGUSR1s to pass on to the ranks
+        self._old: dict[int, object] = {}
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.count += 1
+        if self.received is None:
+            self.received = signum
+
+    def _on_forwarded(self, signum: int, _frame) -> None:
+        self.forward.append(signum)
+
+    def install(self) -> None:
+        for name in self.NAMES:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self._old[sig] = signal.signal(sig, self._on_signal)
+        # Slurm's warning before the end of a job (`#SBATCH --signal=USR1@90`) reaches the
+        # launcher when srun runs one task per node: the ranks' Trainer is what acts on it.
+        if hasattr(signal, "SIGUSR1"):
+            self._old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_forwarded)
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+class _Job:
+    """One launcher's share of a job: its ranks, their restarts, and the shared store.
+
+    [Note: restarts across nodes]
+    Every node's launcher watches the key ``launcher/failed/<attempt>`` in the rendezvous
+    store. The launcher whose rank fails sets it; all launchers then stop their ranks and
+    start attempt+1 together. Ranks of attempt k use keys under ``dptrain/attempt<k>``, so a
+    restarted job never reads a stale key of the attempt before.
+
+    [Note: exits in the store]
+    Each launcher writes every exit of its ranks -- code and time -- under
+    ``<attempt keys>/exit/<rank>``. A rank whose collective fails reads them, so its error
+    says "rank 0 exited with code 0 3s ago" instead of a bare "connection closed by peer".
+    """
+
+    def __init__(self, config: LaunchConfig, signals: _Signals) -> None:
+        import tempfile
+
+        self.config = config
+        self.signals = signals
+        self.console = Console(sys.stdout, sys.stderr)
+        self.janitor = Janitor()
+        self.error_dir = tempfile.mkdtemp(prefix="dptrain_run_")
+        self.janitor.tell("dir", self.error_dir)
+        self.ranks: list[RankProcess] = []
+        self.watching: Watch | None = None  # the ranks of the current attempt
+        self.server = None
+        self.store: StoreClient | None = None
+        self.elastic: Elastic | None = None
+        # This node's place in the current attempt; fixed unless the job is elastic.
+        self.layout = Membership(node_rank=config.node_rank, rank_base=config.node_rank * config.nproc_per_node,
+                                 num_nodes=config.nnodes, world_size=config.world_size, nodes=())
+        try:
+            self._connect()
+            if config.elastic:  # membership is decided in the store before any rank starts
+                self._open_store()
+                self.elastic = Elastic(self.store, config.node_rank, config.nproc_per_node, config.min_nodes,
+                                       config.nnodes, config.join_timeout, config.wait_s,
+                                       self.log, self._check_signals)
+        except BaseException:
+            self.close()
+            raise
+        self.run_id = config.run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+        self.log_dir = None  # rank log files are written only with --tee or --redirects, as torchrun's
+        if config.redirects or config.tee:
+            self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="dptrain_logs_")  # as torchrun: a new folder
+            self.log(f"dptrain run: rank logs go to {os.path.join(self.log_dir, self.run_id)}")
+        self.stall_s = float(os.environ.get("DPTRAIN_STALL_REPORT_S", "60"))
+        self.base_env = base_environ(config, self.host, self.log)
+        self.cmd = [sys.executable, "-u"] + (["-m", config.program] if config.module else [config.program])
+        self.cmd += list(config.args)
+
+    def log(self, message: str) -> None:
+        """A line of the launcher's own on stderr (it first moves a progress line out of the way)."""
+        self.console.emit(self, 1, [message.encode("utf-8", "replace")])
+
+    def _connect(self) -> None:
+        config = self.config
+        self.host = config.master_addr or "127.0.0.1"
+        timeout = config.wait_s
+        self.store = None
+        if config.node_rank == 0:
+            # Single node: 127.0.0.1 only. Several nodes: the explicit master address only.
+            # Only bound here: the store itself starts after the ranks (see _open_store).
+            self.server = RendezvousServer(self.host, config.master_port or 0, config.world_size, timeout_s=timeout)
+        else:
+            self._wait_for_master(timeout)
+        self.port = self.server.port if self.server else config.master_port
+
+    def _check_signals(self) -> None:
+        if self.signals.received:
+            raise _Interrupted()
+
+    def admit(self, attempt: int) -> bool:
+        """Elastic jobs: take this node's place in ``attempt`` (False: not admitted to it)."""
+        if self.elastic is None:
+            return True
+        layout = self.elastic.join(attempt)
+        if layout is not None:
+            self.layout = layout
+        return layout is not None
+
+    def _open_store(self) -> None:
+        """Serve the store (node 0) and connect this launcher's client to it (every node).
+
+        Called once the first ranks are started, so that with torch's server (which imports
+        torch, see ``RendezvousServer``) the ranks spend that second importing torch themselves.
+        """
+        if self.store is not None:
+            return
+        if self.server is not None:
+            self.server.serve()
+        config = self.config
+        try:
+            self.store = StoreClient(self.host, self.port, timeout=config.wait_s)
+        except StoreError as exc:
+            raise ValueError(f"node {config.node_rank} reached {self.host}:{self.port} but no "
+                             f"rendezvous store answered there ({str(exc).strip()[:200]}); is --master-port "
+                             f"the port that `dptrain run --node-rank 0` listens on?") from None
+
+    def _wait_for_master(self, timeout: float) -> None:
+        """Wait for node 0's store, saying every ``DPTRAIN_WAIT_REPORT_S`` what it waits for."""
+        wait_for_listener(self.host, self.config.master_port, timeout, f"node {self.config.node_rank}",
+                          "node 0's rendezvous", f"Is `dptrain run --node-rank 0` running there, and is {self.host} "
+                          f"its address as seen from this node?", self.log, self._check_signals)
+
+    def start(self, attempt: int) -> None:
+        config = self.config
+        self.ranks = []
+        for local in range(config.nproc_per_node):
+            if self.signals.received:
+                return
+            rank = self.layout.rank_base + local
+            show = config.log_ranks is None or rank in config.log_ranks
+            environ = process_environ(
+                self.base_env, self.console, show, rank=rank, local_rank=local, world_size=self.layout.world_size,
+                local_world_size=config.nproc_per_node, node_rank=self.layout.node_rank,
+                num_nodes=self.layout.num_nodes, master_addr=self.host, master_port=self.port, run_id=self.run_id,
+                restart_count=attempt, max_restarts=config.max_restarts, error_dir=self.error_dir,
+            )
+            logs = rank_log_files(self.log_dir, self.run_id, attempt, local, config.redirects, config.tee)
+            proc = RankProcess(rank, local, self.cmd, environ, show, self.console, logs)
+            self.ranks.append(proc)
+            self.janitor.tell("group", proc.proc.pid)
+        self._open_store()
+        publish(self.store, f"{keys_prefix(attempt)}/{EXITS_PUBLISHED}", "1")
+
+    def watch(self, attempt: int) -> tuple[RankProcess | None, str | None]:
+        """Watch the ranks of ``attempt`` until they are done, one fails, or a signal arrives (see ``Watch.run``)."""
+        self.watching = Watch(self.store, attempt, self.ranks, self.signals, self.log, self.stall_s, self.config.nnodes)
+        return self.watching.run()
+
+    def stop_all(self) -> None:
+        """Stop every rank (a second signal cuts the grace period short) and show their last output."""
+        count = self.signals.count
+        stop_processes(self.ranks, hurry=lambda: self.signals.count > count)
+        finish_output(self.ranks)
+        for r in self.ranks:
+            self.janitor.tell("forget", r.proc.pid)
+
+    def report_failure(self, attempt: int, failed: RankProcess | None, peer: str | None) -> int:
+        """Stop the other ranks, say who failed and show its last lines; return the exit code."""
+        config = self.config
+        if failed is not None:
+            code = failed.poll()
+            what = (f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
+                    f"{describe_exit(code)}")
+            publish(self.store, failed_key(attempt), f"on node {config.node_rank}: {what}")
+            earlier = sorted(rank for rank, (c, _) in self.watching.exits.items() if c == 0)
+            if earlier:
+                what += f" (after rank(s) {ranks_text(earlier)} had exited with code 0)"
+        else:
+            code = 1
+            what = f"a rank of another node failed ({peer})"
+        running = [r for r in self.ranks if r is not failed and r.poll() is None]
+        stopping = f"; stopping the other {len(running)} rank(s) of this node" if running else ""
+        self.log(f"dptrain run: {what}{stopping}")
+        self.stop_all()
+        if failed is not None:
+            tb = read_error_file(error_file(self.error_dir, attempt, failed.rank))
+            tail = tb or "\n".join(failed.tail)
+            if tail:
+                self.log(f"--- last lines of rank {failed.rank} ---\n{tail}\n---")
+        return code if code and code > 0 else 1
+
+    def close(self) -> None:
+        import shutil
+
+        if self.ranks:
+            stop_processes(self.ranks, grace_s=0.5)
+        if self.elastic is not None and self.elastic.coordinator:
+            self.elastic.finish()  # nodes still waiting to be admitted end too
+        self.janitor.done()
+        if self.store is not None:
+            self.store.close()
+        if self.server:
+            self.server.close()
+        shutil.rmtree(self.error_dir, ignore_errors=True)
+
+
+def run_job(config: LaunchConfig) -> int:
+    """Run the job described by ``config`` on this node; return the launcher's exit code.
+
+    Starts ``nproc_per_node`` ranks, relays their output, reports ranks that stop making
+    progress, and stops them all as soon as one fails. With ``max_restarts`` > 0 the whole
+    job (every node) is restarted after a failure, up to that many times. SIGINT, SIGTERM,
+    SIGHUP and SIGQUIT stop every rank; the exit code is then 128 + the signal's number.
+    """
+    signals = _Signals()
+    signals.install()
+    job = None
+    try:
+        job = _Job(config, signals)
+        code = _run_attempts(job)
+        return _interrupted(job, signals) if signals.received else code
+    except _Interrupted:
+        return _interrupted(job, signals)
+    finally:
+        if job is not None:
+            job.close()
+        signals.restore()  # last: a second signal while stopping must still find our handler
+
+
+def _run_attempts(job: _Job) -> int:
+    config, signals = job.config, job.signals
+    attempt = job.elastic.first_attempt() if job.elastic else 0
+    while attempt <= config.max_restarts and not signals.received:
+        if not job.admit(attempt):
+            if not job.elastic.wait_for_next(attempt):
+                job.log(f"dptrain run: the job ended without node {config.node_rank}")
+                return 0
+            attempt += 1
+            continue
+        job.start(attempt)
+        failed, peer = job.watch(attempt)
+        if not (signals.received or failed or peer):
+            peer = exit_barrier(job.store, keys_prefix(attempt), job.layout.num_nodes, job.server is not None,
+                                config.wait_s, WAIT_REPORT_S, job.log,
+                                lambda: peer_failure(job.store, attempt), job._check_signals)
+        if signals.received or (failed is None and peer is None):
+            break
+        code = job.report_failure(attempt, failed, peer)
+        if signals.received:
+            return code
+        if attempt < config.max_restarts:
+            job.log(f"dptrain run: restarting all ranks (restart {attempt + 1} of {config.max_restarts})")
+            attempt += 1
+            continue
+        if config.max_restarts:
+            job.log(f"dptrain run: giving up after {config.max_restarts} restart(s)")
+        return code
+    return 0
+
+
+def _interrupted(job: _Job | None, signals: _Signals) -> int:
+    """The launcher got a signal: stop every rank, say so, exit with 128 + the signal's number."""
+    message = f"dptrain run: {signal.Signals(signals.received).name} received; stopping all ranks"
+    if job is None:
+        try:
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+    else:
+        job.log(message)
+        job.stop_all()
+    return 128 + signals.received

@@ -1,0 +1,161 @@
+"""Watching the ranks of one attempt: their exits, a failure on another node, ranks that stall.
+
+The launcher polls its ranks every ``POLL_S`` seconds and, once a second, reads the store:
+a failure another node's launcher reported (the key ``failed_key(attempt)``), and
+the ranks' heartbeats (see [Note: heartbeats] in :mod:`dptrain._heartbeat`). A running rank
+whose heartbeat stands still for ``DPTRAIN_STALL_REPORT_S`` seconds is reported as making no
+progress; ranks that exited 0 while others still run are reported once, with what the
+others are doing. Every exit is published in the store (see [Note: exits in the store] in
+:mod:`dptrain.launcher.job`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Sequence
+
+from dptrain._heartbeat import key, keys_prefix, where
+from dptrain._join import ranks_text
+from dptrain.launcher.rendezvous import failed_key
+from dptrain.launcher.workers import RankProcess, finish_output
+
+__all__ = ["Watch", "publish", "peer_failure", "POLL_S", "STALL_EVERY"]
+
+POLL_S = 0.05
+STALL_EVERY = 20  # check heartbeats and peers once a second
+
+
+def publish(store: Any, name: str, value: str) -> None:
+    """Set a key in the store, if it is still there."""
+    try:
+        store.set(name, value)
+    except Exception:  # noqa: BLE001 - node 0's store is gone: its launcher reports that
+        pass
+
+
+def peer_failure(store: Any, attempt: int) -> str | None:
+    """What another node's launcher reported failed in ``attempt``, or None."""
+    name = failed_key(attempt)
+    try:
+        if store.check([name]):
+            return store.get(name).decode()
+    except Exception:  # noqa: BLE001 - node 0's launcher is gone: treat as a failure
+        return "the launcher of node 0 is unreachable"
+    return None
+
+
+def heartbeat(store: Any, attempt: int, rank: int) -> dict | None:
+    """The last heartbeat of ``rank`` in ``attempt``, or None."""
+    name = f"{keys_prefix(attempt)}/{key('hb', rank)}"
+    try:
+        return json.loads(store.get(name)) if store.check([name]) else None
+    except Exception:  # noqa: BLE001 - best effort: the store may be going away
+        return None
+
+
+class Watch:
+    """The ranks of one attempt, as their launcher watches them.
+
+    ``signals`` is the launcher's record of signals (``received``, and ``forward``: the
+    SIGUSR1s to pass on); ``log`` prints a launcher line; ``nnodes`` > 1 makes it look for
+    failures of other nodes.
+    """
+
+    def __init__(self, store: Any, attempt: int, ranks: Sequence[RankProcess], signals: Any,
+                 log: Callable[[str], None], stall_s: float, nnodes: int) -> None:
+        self.store = store
+        self.attempt = attempt
+        self.ranks = ranks
+        self.signals = signals
+        self.log = log
+        self.stall_s = stall_s
+        self.nnodes = nnodes
+        self.exits: dict[int, tuple[int, float]] = {}  # rank -> (exit code, time.monotonic())
+        self._early_exit_reported = False
+
+    def _report_stalls(self, seen: dict[int, list], running: list[RankProcess]) -> None:
+        """Print "rank r has made no progress for N s" for running ranks whose heartbeat stands still.
+
+        ``seen[rank]`` holds [state, since, last_report]: the rank's last (collectives,
+        steps, current op), when it last changed, and when we last reported it.
+        """
+        now = time.time()
+        for r in running:
+            b = heartbeat(self.store, self.attempt, r.rank)
+            if b is None:
+                continue
+            state = (b["seq"], b["ticks"], b["op"])
+            entry = seen.setdefault(r.rank, [state, now, 0.0])
+            if entry[0] != state:
+                seen[r.rank] = [state, now, 0.0]
+                continue
+            idle = now - entry[1]
+            if idle >= self.stall_s and now - entry[2] >= self.stall_s:
+                entry[2] = now
+                self.log(f"dptrain run: rank {r.rank} has made no progress for {idle:.0f}s ({where(b)})")
+
+    def _record_exit(self, r: RankProcess, code: int) -> None:
+        self.exits[r.rank] = (code, time.monotonic())
+        publish(self.store, f"{keys_prefix(self.attempt)}/{key('exit', r.rank)}",
+                json.dumps({"code": code, "t": time.time()}))
+
+    def _report_early_exit(self, running: list[RankProcess]) -> None:
+        """Once: ranks that exited 0 while others still run, ``stall_s`` after the first of them."""
+        finished = sorted((t, rank) for rank, (code, t) in self.exits.items() if code == 0)
+        if self._early_exit_reported or not finished:
+            return
+        waited = time.monotonic() - finished[0][0]
+        if waited < self.stall_s:
+            return
+        self._early_exit_reported = True
+        gone = [rank for _, rank in finished]
+        who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {ranks_text(gone)}"
+        live = [r.rank for r in running]
+        still = f"rank {live[0]} is" if len(live) == 1 else f"ranks {ranks_text(live)} are"
+        beats = {r: heartbeat(self.store, self.attempt, r) for r in live}
+        states = "; ".join(f"rank {r}: {where(b)}" for r, b in beats.items() if b)
+        waiting = [r for r, b in beats.items() if b and b["op"]]
+        hint = ""
+        if waiting:
+            hint = (f". Rank(s) {ranks_text(waiting)} wait in a collective that needs the ranks that exited: it "
+                    f"fails at the timeout. Every rank must make the same collective calls until its end")
+        self.log(f"dptrain run: {who} exited with code 0 while {still} still running, {waited:.0f}s later"
+                 f"{f' ({states})' if states else ''}{hint}")
+
+    def run(self) -> tuple[RankProcess | None, str | None]:
+        """Wait until all ranks exit 0 (None, None), a local rank fails (rank, None), a peer
+        node fails (None, why), or a signal arrives (None, None; see ``signals``)."""
+        seen: dict[int, list] = {}
+        polls = 0
+        while not self.signals.received:
+            while self.signals.forward:
+                sig = self.signals.forward.pop(0)
+                for r in self.ranks:  # the rank only: SIGUSR1 would end its DataLoader workers
+                    if r.alive():
+                        os.kill(r.proc.pid, sig)
+            running = []
+            for r in self.ranks:
+                code = r.poll()
+                if code is None:
+                    running.append(r)
+                elif r.rank not in self.exits:
+                    self._record_exit(r, code)
+                    if code != 0:
+                        return r, None
+            if not running:
+                finish_output(self.ranks)
+                return None, None
+            polls += 1
+            if polls % STALL_EVERY == 0:
+                if self.nnodes > 1:
+                    peer = peer_failure(self.store, self.attempt)
+                    if peer:
+                        return None, peer
+                if self.exits:  # a rank that is gone makes no progress; say so once instead
+                    self._report_early_exit(running)
+                else:
+                    self._report_stalls(seen, running)
+            time.sleep(POLL_S)
+        return None, None
