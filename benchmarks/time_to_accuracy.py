@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import dptrain  # noqa: E402
 from dptrain.models import ResNet18  # noqa: E402
 from dptrain.parallel import comm_hooks  # noqa: E402
-from dptrain.parallel._compression import POWERSGD_RANK, POWERSGD_START_ITER  # noqa: E402
+from dptrain.parallel.ddp._compression import POWERSGD_RANK, POWERSGD_START_ITER  # noqa: E402
 
 VARIANTS = {
     "torch_fp32": "PyTorch DDP fp32",

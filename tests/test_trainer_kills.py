@@ -74,7 +74,7 @@ def _arm_in_optimizer_step(trainer, marker: str, step: int) -> None:
 
 def _arm_in_all_reduce(trainer, marker: str, step: int) -> None:
     """Die inside the gradient all-reduce of step ``step``: its first bucket launched, not waited for."""
-    from dptrain.parallel.reducer import Reducer as reducer_type  # this process only: the victim
+    from dptrain.parallel.ddp._reducer import Reducer as reducer_type  # this process only: the victim
 
     real = reducer_type._all_reduce
 

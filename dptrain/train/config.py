@@ -198,7 +198,7 @@ class TrainerConfig:
 
     def _check_ddp_extensions(self) -> None:
         """``compression`` and ``overlap_optimizer``: what DDP can do, set where the Trainer manages it."""
-        from dptrain.parallel._compression import CHOICES
+        from dptrain.parallel.ddp._compression import CHOICES
 
         for name in ("compression", "overlap_optimizer"):
             if name in self.ddp_kwargs:

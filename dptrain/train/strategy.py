@@ -316,7 +316,7 @@ def _move_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     (``initial_lr``, OneCycleLR's ``max_lr`` ...); its step tracking is installed on the new
     optimizer as the scheduler would have done.
     """
-    from dptrain.parallel._overlap import scheduler_tracked_step
+    from dptrain.parallel.ddp._overlap import scheduler_tracked_step
 
     scheduler.optimizer = optimizer
     for inner in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler

@@ -133,7 +133,7 @@ def test_trainer_amp_on_cuda_trains_and_resumes(tmp_path, dtype):
 def _mixed_precision_against_torch(rank):
     from torch.nn.parallel.distributed import _MixedPrecision
 
-    from tests.parallel._ddp_models import BNNet, make_batch
+    from tests.parallel.ddp._ddp_models import BNNet, make_batch
 
     device = dptrain.device()
     out = {}
@@ -154,7 +154,7 @@ def _mixed_precision_against_torch(rank):
 @one_gpu
 def test_mixed_precision_against_torchs_on_cuda():
     """PyTorch's DDP mixed precision runs only on CUDA (it needs CUDA events); here it is the
-    reference itself, and checks the recipe that tests/parallel/test_ddp_dropin.py writes out
+    reference itself, and checks the recipe that tests/parallel/ddp/test_ddp_dropin.py writes out
     by hand for CPU."""
     for r in run_ranks(_mixed_precision_against_torch, min(GPUS, 2), backend="nccl", timeout=300):
         assert r["ours"].keys() == r["torch"].keys()

@@ -147,7 +147,7 @@ def _hooks_on_cuda(rank):
          (torch_powersgd.PowerSGDState(None, 2, start_powerSGD_iter=2), torch_powersgd.powerSGD_hook)),
     ):
         for who, (state, hook) in (("ours", ours), ("torch", theirs)):
-            # One bucket, as the CPU comparison in tests/parallel/test_compression.py.
+            # One bucket, as the CPU comparison in tests/parallel/ddp/test_compression.py.
             model = dptrain.DDP(_transformer().to(device), device_ids=[device.index], bucket_cap_mb=100)
             model.register_comm_hook(state, hook)
             _train(model, model.parameters(), device)

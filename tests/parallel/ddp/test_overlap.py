@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import dptrain
-from dptrain.parallel import _overlap
+from dptrain.parallel.ddp import _overlap
 from tests._dist import run_ranks
 
 OPTIMIZERS = {

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 from dptrain import comm
-from dptrain.parallel import _ddp_setup as setup
-from dptrain.parallel._hook_pipeline import flush_hook_state
+from dptrain.parallel.ddp import _setup as setup
+from dptrain.parallel.ddp._hook_pipeline import flush_hook_state
 
 __all__ = ["DDPJoinHook", "find_common_rank", "all_reduce_requires_sync", "shadow_backward"]
 

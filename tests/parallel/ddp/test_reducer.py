@@ -9,7 +9,7 @@ from torch.nn import functional as F
 
 import dptrain
 from dptrain.models import MLP, ResNet18
-from dptrain.parallel.reducer import DEFAULT_FIRST_BUCKET_BYTES, compute_bucket_assignment
+from dptrain.parallel.ddp._reducer import DEFAULT_FIRST_BUCKET_BYTES, compute_bucket_assignment
 from tests._dist import run_ranks, set_event, wait_event
 
 

@@ -1,7 +1,7 @@
 """The gradient reducer behind :class:`dptrain.DistributedDataParallel`.
 
 Parameters that require a gradient are packed into flat *buckets* (see
-:mod:`dptrain.parallel._buckets`). Each parameter carries one post-accumulate-grad hook that
+:mod:`dptrain.parallel.ddp._buckets`). Each parameter carries one post-accumulate-grad hook that
 copies the gradient into its slot of the bucket (scaled by ``1 / world_size``); when every
 gradient of a bucket is in, an asynchronous all-reduce of the bucket is launched, so
 communication overlaps the rest of backward. Buckets are launched strictly in order, the
@@ -19,7 +19,7 @@ rounding.
 
 [Note: bucket rebuild]
 Once, after the first backward, the buckets are rebuilt in the order gradients became ready,
-as PyTorch does; :mod:`dptrain.parallel._rebuild` says when and with whose order.
+as PyTorch does; :mod:`dptrain.parallel.ddp._rebuild` says when and with whose order.
 
 [Note: the status slot]
 The last bucket carries extra elements. The first is 1 on a rank whose backward left
@@ -39,7 +39,7 @@ the wire.
 
 [Note: which backward is ours]
 Only a backward that accumulates into ``.grad`` starts a reduction, not
-``torch.autograd.grad`` through the outputs (see :mod:`dptrain.parallel._sink`).
+``torch.autograd.grad`` through the outputs (see :mod:`dptrain.parallel.ddp._sink`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from dptrain import comm
-from dptrain.parallel import _reducer_errors as errors
-from dptrain.parallel._buckets import (
+from dptrain.parallel.ddp import _reducer_errors as errors
+from dptrain.parallel.ddp._buckets import (
     DEFAULT_FIRST_BUCKET_BYTES,
     GradBucket,
     _Bucket,
@@ -64,10 +64,10 @@ from dptrain.parallel._buckets import (
     compute_bucket_assignment,
     reached_params,
 )
-from dptrain.parallel._hook_pipeline import flush_hook_state
-from dptrain.parallel._profiling import profiling, record_collective, record_span
-from dptrain.parallel._rebuild import BucketRebuild
-from dptrain.parallel._sink import new_anchor
+from dptrain.parallel.ddp._hook_pipeline import flush_hook_state
+from dptrain.parallel.ddp._profiling import profiling, record_collective, record_span
+from dptrain.parallel.ddp._rebuild import BucketRebuild
+from dptrain.parallel.ddp._sink import new_anchor
 
 __all__ = ["Reducer", "BackwardPhase", "GradBucket", "compute_bucket_assignment", "bucket_size_limits",
            "DEFAULT_FIRST_BUCKET_BYTES"]
@@ -489,7 +489,7 @@ class Reducer:
         """
         if self.shm is not None:
             work = self.shm.all_reduce(flat, tag=f"bucket {index}", slot=self.buckets[index].flat)
-            if profiling():  # gloo records its own; see dptrain.parallel._profiling
+            if profiling():  # gloo records its own; see dptrain.parallel.ddp._profiling
                 record_collective(f"{dist.get_backend(self.process_group)}:all_reduce", work)
             return work
         return dist.all_reduce(flat, group=self.process_group, async_op=True)

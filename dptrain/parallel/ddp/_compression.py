@@ -38,9 +38,9 @@ import torch.distributed as dist
 
 from dptrain import comm
 from dptrain._shm import node_identity  # the node test of shared memory
-from dptrain.parallel import comm_hooks
-from dptrain.parallel._overlap import check_optimizer
-from dptrain.parallel._powersgd import PowerSGDState
+from dptrain.parallel.ddp import comm_hooks
+from dptrain.parallel.ddp._overlap import check_optimizer
+from dptrain.parallel.ddp._powersgd import PowerSGDState
 
 __all__ = ["CHOICES", "check_compression", "check_extensions", "default_bucket_mb", "install", "AutoCompression",
            "decide"]

@@ -23,7 +23,7 @@ from torch.nn.parallel.distributed import _MixedPrecision
 
 import dptrain
 from tests._dist import run_ranks
-from tests.parallel._ddp_models import BNNet, make_batch
+from tests.parallel.ddp._ddp_models import BNNet, make_batch
 
 TorchDDP = nn.parallel.DistributedDataParallel
 

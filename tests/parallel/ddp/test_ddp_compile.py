@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 import dptrain
 from tests._dist import run_ranks
-from tests.parallel._ddp_models import BNNet
+from tests.parallel.ddp._ddp_models import BNNet
 
 TorchDDP = nn.parallel.DistributedDataParallel
 

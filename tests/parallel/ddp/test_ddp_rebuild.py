@@ -14,8 +14,8 @@ from torch.nn import functional as F
 
 import dptrain
 from tests._dist import run_ranks
-from tests.parallel._torch_args import torch_accepts
-from tests.parallel._ddp_models import make_optimizer, snapshot
+from tests.parallel.ddp._torch_args import torch_accepts
+from tests.parallel.ddp._ddp_models import make_optimizer, snapshot
 
 TorchDDP = nn.parallel.DistributedDataParallel
 

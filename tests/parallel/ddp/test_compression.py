@@ -13,9 +13,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn import functional as F
 
 import dptrain
-from dptrain.parallel import _compression, comm_hooks
+from dptrain.parallel.ddp import _compression, comm_hooks
 from tests._dist import run_ranks
-from tests.parallel._torch_args import needs_torch_args
+from tests.parallel.ddp._torch_args import needs_torch_args
 
 
 def _layers():

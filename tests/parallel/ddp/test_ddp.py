@@ -16,7 +16,7 @@ from torch.nn import functional as F
 import dptrain
 from dptrain.parallel import comm_hooks
 from tests._dist import run_ranks
-from tests.parallel._ddp_models import (
+from tests.parallel.ddp._ddp_models import (
     EXTRA_MODELS,
     MODELS,
     build_pair,

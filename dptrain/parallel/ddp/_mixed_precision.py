@@ -16,7 +16,7 @@ masters back for the bucket's parameters before the averaged gradients are writt
 With ``gradient_as_bucket_view=True`` the buckets hold ``param_dtype`` gradients: during
 backward ``.grad`` is a low-precision view of its bucket (as in PyTorch); the hook gives the
 bucket's parameters full-precision ``.grad`` again and the reducer writes the averaged
-bucket into them (PyTorch's numbers bitwise, see ``tests/parallel/test_ddp_mixed_precision.py``).
+bucket into them (PyTorch's numbers bitwise, see ``tests/parallel/ddp/test_ddp_mixed_precision.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from dptrain.parallel._ddp_setup import map_tensors
+from dptrain.parallel.ddp._setup import map_tensors
 
 __all__ = ["MixedPrecisionState", "check_config"]
 

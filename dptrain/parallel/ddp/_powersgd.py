@@ -3,7 +3,7 @@
 PyTorch's hook, same state, arguments and algorithm; three things differ.
 
 [Note: PowerSGD order of collectives]
-Each bucket's work is a job of :mod:`dptrain.parallel._hook_pipeline`: it issues one
+Each bucket's work is a job of :mod:`dptrain.parallel.ddp._hook_pipeline`: it issues one
 all-reduce of ``P`` and the uncompressed tensors together (PyTorch issues two), yields;
 computes ``Q``, issues its all-reduce, yields; then decompresses. Jobs are advanced by the hook calls in a fixed order,
 so every rank issues the same collectives in the same order (PyTorch issues ``Q`` from a
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dptrain.parallel._hook_pipeline import HookPipeline, Job, allreduce_mean_future, issue_all_reduce
+from dptrain.parallel.ddp._hook_pipeline import HookPipeline, Job, allreduce_mean_future, issue_all_reduce
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
 

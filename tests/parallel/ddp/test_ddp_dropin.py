@@ -21,8 +21,8 @@ from torch.nn import functional as F
 
 import dptrain
 from tests._dist import run_ranks
-from tests.parallel._torch_args import TORCH_DDP_ARGS, torch_accepts
-from tests.parallel._ddp_models import BNNet, build_pair, make_batch, make_optimizer, snapshot, train_step
+from tests.parallel.ddp._torch_args import TORCH_DDP_ARGS, torch_accepts
+from tests.parallel.ddp._ddp_models import BNNet, build_pair, make_batch, make_optimizer, snapshot, train_step
 
 TorchDDP = nn.parallel.DistributedDataParallel
 BOTH = (("ours", dptrain.DDP), ("torch", TorchDDP))

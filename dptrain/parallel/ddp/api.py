@@ -4,7 +4,7 @@ A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (the installed PyTor
 constructor arguments, up to 2.13's; same numerics): construction checks that every rank
 built the same model and copies rank 0's parameters and buffers to all; each forward
 broadcasts buffers (BatchNorm statistics) from rank 0; backward averages gradients through
-:class:`dptrain.parallel.reducer.Reducer`.
+:class:`dptrain.parallel.ddp._reducer.Reducer`.
 
 [Note: torch.compile]
 ``torch.compile(dptrain.DDP(model))`` compiles the wrapped module and leaves the wrapper's
@@ -43,18 +43,18 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from dptrain import _shm
 from dptrain._tensors import move_to_device
 from dptrain.parallel import dp as _dp
-from dptrain.parallel import _ddp_setup as setup
-from dptrain.parallel._compression import AutoCompression, check_compression, check_extensions, default_bucket_mb
-from dptrain.parallel._compression import install as install_compression
-from dptrain.parallel._ddp_delayed import DelayedAllReduce
-from dptrain.parallel._ddp_join import DDPJoinHook, all_reduce_requires_sync, find_common_rank
-from dptrain.parallel._ddp_optim_in_backward import adopt_optimizers_in_backward
-from dptrain.parallel._ddp_mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
-from dptrain.parallel._ddp_setup import DDPSetupError
-from dptrain.parallel._ddp_signature import bind_arguments, check_bucket_cap_mb, installed_signature, torch_has
-from dptrain.parallel._overlap import OptimizerOverlap
-from dptrain.parallel._sink import attach_sink
-from dptrain.parallel.reducer import Reducer, bucket_size_limits
+from dptrain.parallel.ddp import _setup as setup
+from dptrain.parallel.ddp._compression import AutoCompression, check_compression, check_extensions, default_bucket_mb
+from dptrain.parallel.ddp._compression import install as install_compression
+from dptrain.parallel.ddp._delayed import DelayedAllReduce
+from dptrain.parallel.ddp._join import DDPJoinHook, all_reduce_requires_sync, find_common_rank
+from dptrain.parallel.ddp._mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
+from dptrain.parallel.ddp._optim_in_backward import adopt_optimizers_in_backward
+from dptrain.parallel.ddp._overlap import OptimizerOverlap
+from dptrain.parallel.ddp._reducer import Reducer, bucket_size_limits
+from dptrain.parallel.ddp._setup import DDPSetupError
+from dptrain.parallel.ddp._signature import bind_arguments, check_bucket_cap_mb, installed_signature, torch_has
+from dptrain.parallel.ddp._sink import attach_sink
 
 __all__ = ["DistributedDataParallel", "DDP", "DDPSetupError"]
 
@@ -178,7 +178,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # The installed torch's arguments, no more (see dptrain.parallel._ddp_signature).
+        # The installed torch's arguments, no more (see dptrain.parallel.ddp._signature).
         self._construct(**bind_arguments(self, args, kwargs, _IMPLEMENTED))
 
     def _construct(
