@@ -2,9 +2,9 @@
 peer stalls there, the rank that waits fails at the timeout with dptrain's message -- this
 rank, the operation, the rank that did not come -- not gloo's bare error.
 
-The five: DDP's buffer broadcast at each forward, the reducer's all-reduce of the used
+The six: DDP's buffer broadcast at each forward, the reducer's all-reduce of the used
 parameters (``find_unused_parameters``), the join's all-reduce for the last rank to join,
-and FSDP's two broadcasts of ``sync_module_states`` (the buffers, then each unit). Rank 1
+the delayed all-reduce (``delay_all_reduce_named_params``), and FSDP's two broadcasts of ``sync_module_states`` (the buffers, then each unit). Rank 1
 stalls until rank 0 has failed (an event file), so the 2 s timeout must fire while it is away:
 outside any collective on DDP's paths (and is then named as the rank that did not arrive),
 inside its own broadcast on FSDP's, which run within the constructor.
@@ -45,6 +45,13 @@ def _run_path(path: str, rank: int, events) -> None:
         model = dptrain.DDP(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), find_unused_parameters=True)
         if rank == 0:
             model(x).sum().backward()
+    elif path == "delayed":
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        model = dptrain.DDP(net, delay_all_reduce_named_params=list(net.named_parameters()),
+                            param_to_hook_all_reduce=net[0].weight)
+        if rank == 0:
+            model(x).sum().backward()
     elif path == "join":
         model = dptrain.DDP(_with_buffers())
         if rank == 0:
@@ -81,6 +88,7 @@ def _stall_rank_1(rank, path, events):
     ("ddp_buffers", "DDP buffer broadcast (forward) from rank 0"),
     ("used_parameters", "DDP used-parameter all-reduce"),
     ("join", "DDP join (the last rank to join)"),
+    ("delayed", "DDP delayed all-reduce (delay_all_reduce_named_params)"),
     ("fsdp_buffers", "FSDP broadcast of the buffers (sync_module_states) from rank 0"),
     ("fsdp_unit", "FSDP broadcast of unit"),
 ])

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from dptrain import comm
+
 __all__ = ["DelayedAllReduce"]
 
 
@@ -78,5 +80,7 @@ class DelayedAllReduce:
             return grad
         self.buffer.div_(dist.get_world_size(self.group))
         work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
-        Variable._execution_engine.queue_callback(work.wait)
+        # Waited at the end of backward, guarded like every wait: a peer that dies there is named.
+        Variable._execution_engine.queue_callback(
+            lambda: comm.wait(work, "DDP delayed all-reduce (delay_all_reduce_named_params)", self.group))
         return grad
