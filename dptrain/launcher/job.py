@@ -18,16 +18,18 @@ import os
 import signal
 import sys
 import uuid
+from typing import Callable
 
 from dptrain._heartbeat import EXITS_PUBLISHED, describe_exit, keys_prefix
 from dptrain._join import WAIT_REPORT_S, ranks_text, wait_for_listener
 from dptrain.launcher.janitor import Janitor
 from dptrain.launcher.membership import Elastic, Membership
 from dptrain.launcher.relay import Console
-from dptrain.launcher.rendezvous import RendezvousServer, exit_barrier, failed_key, wait_s
+from dptrain.launcher.rendezvous import (RendezvousServer, exit_barrier, failed_key, iface_towards, loopback_ifname,
+                                         wait_s)
 from dptrain.launcher.store import StoreClient, StoreError
 from dptrain.launcher.watch import Watch, peer_failure, publish
-from dptrain.launcher.workers import (RankProcess, base_environ, error_file, finish_output, process_environ,
+from dptrain.launcher.workers import (RankProcess, error_file, finish_output, omp_threads, process_environ,
                                       rank_log_files, read_error_file, stop_processes)
 
 __all__ = ["LaunchConfig", "run_job"]
@@ -116,6 +118,28 @@ class LaunchConfig:
     @property
     def elastic(self) -> bool:
         return self.min_nodes is not None and self.min_nodes < self.nnodes
+
+
+def base_environ(config: LaunchConfig, host: str, log: Callable[[str], None]) -> dict[str, str]:
+    """The environment every rank of this node starts from: the launcher's, and what ``config`` sets."""
+    env = dict(os.environ)
+    omp, notice = omp_threads(config.nproc_per_node)
+    if notice:
+        log(notice)
+    if omp:
+        env["OMP_NUM_THREADS"] = omp
+    if config.timeout is not None:
+        env["DPTRAIN_TIMEOUT"] = str(config.timeout)
+    if config.debug:
+        env["DPTRAIN_DEBUG"] = "1"
+    if config.profile:
+        env["DPTRAIN_PROFILE"] = "1"
+    if "GLOO_SOCKET_IFNAME" not in env:
+        iface = loopback_ifname() if config.nnodes == 1 else iface_towards(host)
+        if iface:
+            env["GLOO_SOCKET_IFNAME"] = iface
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 class _Interrupted(Exception):

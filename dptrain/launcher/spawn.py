@@ -34,9 +34,10 @@ def _spawn_entry(fn, rank, nprocs, port, args, conn, extra_env) -> None:
         )
     )
     os.environ.update(extra_env)
-    # Imported here, in the child only: dptrain.shutdown (dptrain.env) imports torch, which no
-    # module of the launcher may do at import (the caller's process never needs it).
-    import dptrain
+    # Imported here, in the child only: dptrain.env imports torch, which no module of the
+    # launcher may do at import (the caller's process never needs it). The child leaves with
+    # os._exit, past atexit, so the job is left here.
+    from dptrain import env
 
     # Results travel as plain pickles (bytes): multiprocessing's own pickler would share tensors
     # through file descriptors that vanish when this process exits.
@@ -57,7 +58,7 @@ def _spawn_entry(fn, rank, nprocs, port, args, conn, extra_env) -> None:
         os._exit(1)
     finally:
         try:
-            dptrain.shutdown()
+            env.shutdown()
         except Exception:  # noqa: BLE001 - the result is already on its way
             pass
     conn.close()

@@ -3,7 +3,7 @@ and error files, its output relayed, and how it is stopped.
 
 Both launchers (``dptrain run`` and ``dptrain.spawn``) give a rank torchrun's variables
 (``rank_environ``) and stop their ranks the same way (``stop_processes``). ``dptrain run``
-adds this node's settings (``base_environ``: OpenMP threads, ``DPTRAIN_*`` flags, gloo's
+adds this node's settings (``job.base_environ``: OpenMP threads, ``DPTRAIN_*`` flags, gloo's
 interface) and how the rank's output is watched (``process_environ``), starts it in a process
 group of its own that dies with the launcher (``RankProcess``), and reads back the traceback
 its ``@record`` handler wrote (``read_error_file``).
@@ -17,16 +17,12 @@ import signal
 import subprocess
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from dptrain.launcher.janitor import parent_death_signal
 from dptrain.launcher.relay import Console, Relay
-from dptrain.launcher.rendezvous import iface_towards, loopback_ifname
 
-if TYPE_CHECKING:
-    from dptrain.launcher.job import LaunchConfig
-
-__all__ = ["RankProcess", "finish_output", "stop_processes", "rank_environ", "base_environ", "process_environ",
+__all__ = ["RankProcess", "finish_output", "stop_processes", "rank_environ", "process_environ",
            "omp_threads", "error_file", "read_error_file", "rank_log_files", "GRACE_S"]
 
 def rank_environ(
@@ -84,30 +80,8 @@ def omp_threads(nproc: int) -> tuple[str | None, str | None]:
     return str(threads), notice
 
 
-def base_environ(config: LaunchConfig, host: str, log: Callable[[str], None]) -> dict[str, str]:
-    """The environment every rank of this node starts from: the launcher's, and what ``config`` sets."""
-    env = dict(os.environ)
-    omp, notice = omp_threads(config.nproc_per_node)
-    if notice:
-        log(notice)
-    if omp:
-        env["OMP_NUM_THREADS"] = omp
-    if config.timeout is not None:
-        env["DPTRAIN_TIMEOUT"] = str(config.timeout)
-    if config.debug:
-        env["DPTRAIN_DEBUG"] = "1"
-    if config.profile:
-        env["DPTRAIN_PROFILE"] = "1"
-    if "GLOO_SOCKET_IFNAME" not in env:
-        iface = loopback_ifname() if config.nnodes == 1 else iface_towards(host)
-        if iface:
-            env["GLOO_SOCKET_IFNAME"] = iface
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def process_environ(base: dict[str, str], console: Console, show: bool, **torchrun: Any) -> dict[str, str]:
-    """One rank's whole environment: ``base`` (see ``base_environ``), torchrun's variables
+    """One rank's whole environment: ``base`` (see ``job.base_environ``), torchrun's variables
     (``rank_environ(**torchrun)``), and whether a terminal shows its output (``show``)."""
     rank = torchrun["rank"]
     environ = dict(base)
