@@ -7,11 +7,13 @@ How one gradient goes from autograd to an averaged ``.grad``:
    through the backward *sink* (``_sink.py``), whose backward tells the reducer that a
    training backward (one that accumulates into ``.grad``) has started.
 2. *Hook* (``_reducer.py``): each parameter carries one post-accumulate-grad hook. Once
-   autograd has accumulated the parameter's gradient, the hook copies it, divided by the world
-   size, into the parameter's slot of a flat *bucket* (``_buckets.py``: which parameters
-   share a bucket, in what order, and the buffers).
-3. *Bucket -> all-reduce*: when the last gradient of a bucket is in, and every earlier bucket
-   has gone, the bucket is launched: an asynchronous all-reduce (gloo or NCCL, or shared
+   autograd has accumulated the parameter's gradient, the hook marks it ready for its slot
+   of a flat *bucket* (``_buckets.py``: which parameters share a bucket, in what order, and
+   the buffers).
+3. *Bucket -> all-reduce*: when the last gradient of a bucket is in, the bucket's gradients
+   are copied in with one call and divided by the world size with one more (PyTorch's
+   numbers, bit for bit: [Note: a bucket at a time] in ``_reducer.py``); once every earlier
+   bucket has gone, the bucket is launched: an asynchronous all-reduce (gloo or NCCL, or shared
    memory on one node through :mod:`dptrain._shm`), or the registered communication hook
    (``comm_hooks.py``; PowerSGD in ``_powersgd.py``, its collectives issued in a fixed order
    by ``_hook_pipeline.py``). Buckets are launched in the same order on every rank, while the

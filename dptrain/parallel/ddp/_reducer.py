@@ -2,8 +2,8 @@
 
 Parameters that require a gradient are packed into flat *buckets* (see
 :mod:`dptrain.parallel.ddp._buckets`). Each parameter carries one post-accumulate-grad hook that
-copies the gradient into its slot of the bucket (scaled by ``1 / world_size``); when every
-gradient of a bucket is in, an asynchronous all-reduce of the bucket is launched, so
+marks its gradient ready for its slot of the bucket (scaled by ``1 / world_size``); when every
+gradient of a bucket is in, they are copied in together and an asynchronous all-reduce of the bucket is launched, so
 communication overlaps the rest of backward. Buckets are launched strictly in order, the
 same on every rank. A callback queued on the autograd engine runs once backward is over: it
 waits for the buckets and writes the averaged gradients back into ``param.grad``.
@@ -16,6 +16,19 @@ same operations with the same scalars, so on two ranks the results are bitwise e
 bucket layout does not matter for an elementwise two-term sum. With three or more ranks
 gloo's ring order depends on the chunk an element falls in, so results agree to fp32
 rounding.
+
+[Note: a bucket at a time]
+PyTorch's reducer does that work per gradient, in C++. Done per gradient in Python it costs a
+few microseconds of interpreter and dispatch for every parameter, and on a GPU, where the
+kernels themselves are asynchronous, that time is the step's. So a hook only queues its
+parameter; when the bucket is full, its gradients go in with one ``_foreach_copy_`` and are
+scaled with one ``mul_(1 / div)`` over the whole bucket (or ``div_(div)`` where the gradients
+already are the bucket's views, ``gradient_as_bucket_view``). The numbers stay PyTorch's,
+bit for bit: the copy is exact, so copy-then-multiply is ``mul_out``'s one rounding per
+element, and an elementwise op gives the same bits over a bucket as over each view. A
+bucket that mixes the two kinds scales each with one foreach call; a gradient that carries
+a graph or has another dtype than its bucket is scaled on arrival, as before.
+(``batched_grad_copy=True`` is PyTorch's own batched variant: one ``div_`` of the bucket.)
 
 [Note: bucket rebuild]
 Once, after the first backward, the buckets are rebuilt in the order gradients became ready,
@@ -99,8 +112,8 @@ class Reducer:
             ``bucket_cap_mb``.
         skip_all_reduce_unused_params: do not all-reduce a bucket whose parameters are all
             unused this iteration (the unused set must be the same on every rank).
-        batched_grad_copy: copy a bucket's gradients in with one ``_foreach_copy_`` and
-            one division when the bucket is full, instead of one scaled copy per gradient.
+        batched_grad_copy: scale a full bucket with one division (PyTorch's batched
+            numerics) instead of PyTorch's per-gradient multiplication by ``1 / world_size``.
         grad_dtype: dtype the gradients arrive in (mixed precision); default: the
             parameters' dtype.
         shm: a :class:`dptrain._shm.ShmGroup` over ``process_group``: buckets live in shared
@@ -174,7 +187,8 @@ class Reducer:
         self._ready = bytearray(len(self.params))
         self._next_bucket = 0
         self._works: list[Any] = []
-        self._deferred: list[list[int]] = []
+        self._deferred: list[list[int]] = []  # per bucket: gradients waiting for its one copy
+        self._scaled_early: list[bool] = []  # per bucket: holds a gradient scaled on arrival
         self._unused_now: list[int] = []
         self._div: int | None = None
         self._inv = 1.0
@@ -294,6 +308,7 @@ class Reducer:
         self._next_bucket = 0
         self._works = [None] * len(self.buckets)
         self._deferred = [[] for _ in self.buckets]
+        self._scaled_early = [False] * len(self.buckets)
         self._div = None
         self._rebuild.start_backward(self._static_first_iteration)
         if self.find_unused_parameters:
@@ -372,8 +387,7 @@ class Reducer:
             while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
                 bucket = self.buckets[self._next_bucket]
                 if not self._skips(bucket):
-                    if self.batched_grad_copy:
-                        self._flush_deferred(bucket)
+                    self._flush_deferred(bucket)
                     if bucket.index == len(self.buckets) - 1:
                         self._cast_vote(bucket)
                     self._launch(bucket)
@@ -408,14 +422,10 @@ class Reducer:
         return self._div
 
     def _copy_in(self, i: int) -> None:
-        """Copy parameter ``i``'s gradient into its bucket view as soon as it is ready.
-
-        Copying on arrival (as PyTorch does) hides the copies inside backward; only the last
-        gradient's copy stands between a full bucket and its all-reduce.
-        """
+        """Take parameter ``i``'s gradient into its bucket: most are queued for the bucket's
+        one copy when it is full (see [Note: a bucket at a time])."""
         p, view = self.params[i], self._views[i]
         g = p.grad
-        divide = self.comm_hook is None  # a hook divides by itself (PyTorch's contract)
         if g is None:
             view.zero_()  # unused here: contribute zeros
             return
@@ -425,22 +435,17 @@ class Reducer:
                 f"{g.layout} gradient; dptrain's reducer averages dense gradients only. Build the layer "
                 "with sparse=False (e.g. nn.Embedding(..., sparse=False))."
             )
-        if self.gradient_as_bucket_view and g.data_ptr() == view.data_ptr():
-            if divide and not self.batched_grad_copy:
-                view.div_(self._divisor())  # what PyTorch does to a gradient that is a bucket view
+        divide = self.comm_hook is None and not self.batched_grad_copy
+        if g.requires_grad or (divide and g.dtype != view.dtype):
+            self._scaled_early[self._bucket_of[i]] = True
+            if g.requires_grad:
+                self._copy_in_graph_grad(g, view, divide)
+                return
+            torch.mul(g, self._inv, out=view)  # in the gradient's precision, as PyTorch's mul_out
+            if self.gradient_as_bucket_view:
+                p.grad = view
             return
-        if g.requires_grad:
-            self._copy_in_graph_grad(g, view, divide and not self.batched_grad_copy)
-            return
-        if self.batched_grad_copy:
-            self._deferred[self._bucket_of[i]].append(i)
-            return
-        if divide:
-            torch.mul(g, self._inv, out=view)  # scale while copying: PyTorch's mul_out(view, grad, 1/div)
-        else:
-            view.copy_(g)
-        if self.gradient_as_bucket_view:
-            p.grad = view
+        self._deferred[self._bucket_of[i]].append(i)
 
     def _copy_in_graph_grad(self, g: torch.Tensor, view: torch.Tensor, divide: bool) -> None:
         # backward(create_graph=True): the gradient carries a graph. Its value is averaged like
@@ -460,16 +465,37 @@ class Reducer:
                 view.copy_(g)
 
     def _flush_deferred(self, bucket: _Bucket) -> None:
-        """batched_grad_copy: the bucket's pending copies in one call, then one division."""
-        idx = self._deferred[bucket.index]
-        if idx:
-            views = [self._views[i] for i in idx]
-            torch._foreach_copy_(views, [self.params[i].grad for i in idx])
+        """The bucket's queued gradients in with one copy, then scaled (see [Note: a bucket at a time])."""
+        params, views = self.params, self._views
+        copied: list[int] = []  # gradients to copy into the bucket
+        aliased: list[torch.Tensor] = []  # gradients that already are the bucket's views
+        for i in self._deferred[bucket.index]:
+            if params[i].grad.data_ptr() == views[i].data_ptr():
+                aliased.append(views[i])
+            else:
+                copied.append(i)
+        targets = [views[i] for i in copied]
+        if copied:
+            torch._foreach_copy_(targets, [params[i].grad for i in copied])
             if self.gradient_as_bucket_view:
-                for i, view in zip(idx, views):
-                    self.params[i].grad = view
-        if self.comm_hook is None:
-            bucket.buffer.div_(self._divisor())
+                for i, view in zip(copied, targets):
+                    params[i].grad = view
+        if self.comm_hook is not None:
+            return  # a hook divides by itself (PyTorch's contract)
+        if self.batched_grad_copy:
+            bucket.buffer.div_(self._divisor())  # PyTorch's batched numerics: one division
+            return
+        if not self._scaled_early[bucket.index] and not (copied and aliased):
+            # One kind of gradient in the whole bucket (and zeros, which scale to zeros).
+            if aliased:
+                bucket.buffer.div_(self._divisor())
+            else:
+                bucket.buffer.mul_(self._inv)
+            return
+        if targets:
+            torch._foreach_mul_(targets, self._inv)
+        if aliased:
+            torch._foreach_div_(aliased, self._divisor())
 
     def _launch(self, bucket: _Bucket) -> None:
         if self.observer is not None:

@@ -119,9 +119,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             be the same on every rank. Default False.
         bucket_cap_mb_list: one size in MiB per bucket, in launch order (the last one
             repeats); overrides ``bucket_cap_mb``. Default None.
-        batched_grad_copy: copy a bucket's gradients in with one ``_foreach_copy_`` and one
-            division when the bucket is full, instead of one scaled copy per gradient
-            (fewer kernel launches for many small parameters). Default False.
+        batched_grad_copy: PyTorch's batched numerics: scale a full bucket with one
+            division instead of multiplying each gradient by ``1 / world_size``. Default False.
+            (Either way dptrain copies a bucket's gradients in together, once it is full.)
         forward_sync_buffers: broadcast buffers (e.g. BatchNorm statistics) from rank 0 at
             the start of each training forward and after ``join()``. Default None (True).
 
