@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
+from dptrain._shm import ShmGroup
+
 __all__ = ["compute_bucket_assignment", "bucket_size_limits", "GradBucket", "DEFAULT_FIRST_BUCKET_BYTES"]
 
 MIB = 1024 * 1024
@@ -147,7 +149,7 @@ class _Bucket:
         params: list[torch.nn.Parameter],
         status_slot: bool,
         dtype: torch.dtype | None = None,
-        shm: Any = None,
+        shm: ShmGroup | None = None,
     ) -> None:
         self.index = index
         self.indices = indices

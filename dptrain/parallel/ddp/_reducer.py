@@ -67,6 +67,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from dptrain import comm
+from dptrain._shm import ShmGroup
 from dptrain.parallel.ddp import _reducer_errors as errors
 from dptrain.parallel.ddp._buckets import (
     DEFAULT_FIRST_BUCKET_BYTES,
@@ -134,7 +135,7 @@ class Reducer:
         skip_all_reduce_unused_params: bool = False,
         batched_grad_copy: bool = False,
         grad_dtype: torch.dtype | None = None,
-        shm: Any = None,
+        shm: ShmGroup | None = None,
     ) -> None:
         self.params = list(params)
         self.shm = shm
