@@ -372,3 +372,36 @@ def _twice_without_static(rank):
 def test_gradient_twice_without_static_graph_is_a_clear_error():
     for rank, msg in enumerate(run_ranks(_twice_without_static, 2, timeout=30)):
         assert msg is not None and f"rank {rank}" in msg and "parameter 'b." in msg and "static_graph=True" in msg
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.register_buffer("scale", torch.ones(3))
+        self.register_buffer("local", torch.zeros(3))
+        self.register_buffer("gone", torch.zeros(3))
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def _reassigned_buffers(rank):
+    torch.manual_seed(0)
+    m = _Scaled()
+    dptrain.DDP._set_params_and_buffers_to_ignore_for_model(m, ["local"])
+    ddp = dptrain.DDP(m)
+    ddp(torch.randn(2, 3)).sum().backward()
+    # After construction and a first step: a buffer replaced by a new tensor, one removed,
+    # and one the user asked DDP to leave alone.
+    m.scale = torch.full((3,), float(rank + 2))
+    m.local = torch.full((3,), float(rank + 2))
+    del m.gone
+    ddp(torch.randn(2, 3)).sum().backward()
+    return m.scale.tolist(), m.local.tolist()
+
+
+def test_forward_broadcasts_the_buffers_a_module_holds_now():
+    out = run_ranks(_reassigned_buffers, 2)
+    assert [o[0] for o in out] == [[2.0] * 3, [2.0] * 3]  # rank 0's new buffer, on every rank
+    assert [o[1] for o in out] == [[2.0] * 3, [3.0] * 3]  # an ignored buffer stays each rank's own
