@@ -2,9 +2,9 @@
 
 Parameters that require a gradient are packed into flat *buckets* (see
 :mod:`dptrain.parallel.ddp._buckets`). Each parameter carries one post-accumulate-grad hook that
-marks its gradient ready for its slot of the bucket (scaled by ``1 / world_size``); when every
-gradient of a bucket is in, they are copied in together and an asynchronous all-reduce of the bucket is launched, so
-communication overlaps the rest of backward. Buckets are launched strictly in order, the
+marks its gradient ready for its slot of the bucket; when every gradient of a bucket is in,
+they are copied in together, scaled by ``1 / world_size``, and an asynchronous all-reduce of
+the bucket is launched, so communication overlaps the rest of backward. Buckets are launched strictly in order, the
 same on every rank. A callback queued on the autograd engine runs once backward is over: it
 waits for the buckets and writes the averaged gradients back into ``param.grad``.
 
