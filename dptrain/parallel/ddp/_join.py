@@ -51,8 +51,9 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         ddp = self.ddp
         ddp.reducer.rebuild_buckets()  # matches the rebuild in the other ranks' forward
-        if ddp._will_sync_buffers():
-            ddp._sync_buffers(find_common_rank(ddp, ddp._rank, False))
+        buffers = ddp._buffers_to_sync()
+        if buffers:
+            ddp._sync_buffers(find_common_rank(ddp, ddp._rank, False), buffers)
         should_sync = all_reduce_requires_sync(ddp, joined=True)
         ddp.require_forward_param_sync = bool(should_sync)
         if should_sync:

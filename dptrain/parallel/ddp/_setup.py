@@ -131,6 +131,13 @@ def managed_tensors(module: nn.Module, ignore: set[str], buffers: bool) -> list[
     return out
 
 
+def buffer_slots(module: nn.Module, ignore: set[str]) -> list[tuple[nn.Module, str]]:
+    """``(module, name)`` of each buffer DDP keeps equal across ranks, by where it is held:
+    reading ``module._buffers[name]`` follows a buffer that is reassigned later."""
+    return [(m, n) for prefix, m in module.named_modules() for n in m._buffers
+            if (f"{prefix}.{n}" if prefix else n) not in ignore]
+
+
 def check_devices(module_params: list[nn.Parameter], device_ids: Any, output_device: Any) -> tuple[str, list | None]:
     """PyTorch's device rules; returns ``(device_type, device indices or None)``."""
     if device_ids is not None and len(device_ids) > 1:
