@@ -6,7 +6,8 @@ rank 0 has a non-zero gradient: whatever order gloo sums in, the result is exact
 scaled gradient. PyTorch multiplies a copied gradient by 1/3 (``mul_out``) and divides one
 that already is its bucket view by 3; ours must give the same bits as PyTorch's DDP in the
 same processes, with one or several buckets, with bucket views (aliased gradients), with a
-bucket that mixes both, and with PyTorch's ``batched_grad_copy``.
+bucket that mixes both, and with PyTorch's ``batched_grad_copy``; small gradients are scaled
+with their bucket, a large one on arrival.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 import dptrain
+from dptrain.parallel.ddp._reducer import ONE_PASS_MIN_NUMEL
 from tests._dist import run_ranks
 from tests.parallel.ddp._torch_args import torch_accepts
 
@@ -25,8 +27,10 @@ OFF = {"DPTRAIN_SHM": "0"}  # gloo on both sides: the same collective, only the 
 
 
 def _model() -> nn.Module:
+    # One weight large enough to be scaled on arrival in one pass, the others small enough to
+    # wait for their bucket's copy (see the reducer's [Note: a bucket at a time]).
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(7, 33), nn.Tanh(), nn.Linear(33, 5), nn.Tanh(), nn.Linear(5, 3))
+    return nn.Sequential(nn.Linear(7, 33), nn.Tanh(), nn.Linear(33, 2000), nn.Tanh(), nn.Linear(2000, 3))
 
 
 def _grads(model: nn.Module) -> list:
@@ -69,6 +73,8 @@ def _run(rank, kwargs):
     {"batched_grad_copy": True, "gradient_as_bucket_view": True},
 ], ids=["default", "buckets", "views", "views-buckets", "batched", "batched-views"])
 def test_three_ranks_scale_each_gradient_as_pytorch_does(kwargs):
+    sizes = [p.numel() for p in _model().parameters()]
+    assert max(sizes) >= ONE_PASS_MIN_NUMEL["cpu"] > min(sizes)  # both paths of the copy-in run
     if "batched_grad_copy" in kwargs and not torch_accepts({"batched_grad_copy": True}):
         pytest.skip("this torch's DDP has no batched_grad_copy to compare with")
     out = run_ranks(_run, 3, kwargs, env=OFF)
