@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from dptrain import _diagnostics
+from dptrain import _diagnostics, _exit  # noqa: F401 - _exit: a clean end for a rank that runs collectives
 from dptrain._errors import CollectiveError, CollectiveMismatchError
 
 __all__ = [
