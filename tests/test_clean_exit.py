@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 
@@ -61,3 +63,37 @@ def test_a_gloo_worker_still_letting_go_of_a_collective_does_not_abort_the_exit(
             if code != 0 or "terminate called" in err:
                 bad.append(f"{kind}: exit code {code}\n{err[-1500:]}")
     assert not bad, "\n".join(bad)
+
+
+def _torch_version() -> tuple:
+    import torch
+
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def test_the_exit_wait_sees_gloo_workers_and_returns_once_they_are_idle():
+    # The wait at exit finds gloo's worker threads by the name PyTorch gives them: if a torch
+    # release renamed them, the wait would silently find nothing, and this says so.
+    code = (
+        "import os, time, torch, torch.distributed as dist\n"
+        "from dptrain import _exit\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PORT'])\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "dist.all_reduce(torch.ones(8))\n"
+        "t = time.monotonic(); ok = _exit.settle_gloo_workers(); took = time.monotonic() - t\n"
+        "workers = _exit._gloo_workers()\n"
+        "print(len(workers), ok, sorted({s for s, _ in workers.values()}), round(took, 3))\n"
+        "dist.destroy_process_group()\n"
+    )
+    from dptrain.launcher.rendezvous import free_port
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=dict(os.environ, PORT=str(free_port())))
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, ok, states, took = out.stdout.split(maxsplit=3)
+    if int(count) == 0 and _torch_version() < (2, 13):
+        pytest.skip("this torch does not name its gloo worker threads pt_gloo_runloop (2.13 and 2.14 do): "
+                    "the wait at exit finds none to wait for")
+    assert int(count) >= 1, f"no thread named pt_gloo_runloop in a process with a gloo group: {out.stdout}"
+    assert ok == "True" and states == "['S']", out.stdout
+    assert float(took) < 1.0, out.stdout
