@@ -32,8 +32,8 @@ a graph or has another dtype than its bucket is scaled on arrival, as before.
 
 A large gradient is scaled on arrival too, into its view with one ``mul(out=)``, as PyTorch
 does: copy-then-scale reads and writes it twice, and past a size the second pass over
-memory costs more than the call saved (ResNet-18 on one CPU thread: 32 ms for its 11 M
-gradients in two passes, 21 ms with those of 64 Ki elements or more in one). On a GPU a
+memory costs more than the call saved (ResNet-18 on one CPU thread: 6.0 ms for its 11 M
+gradients in two passes, 4.3 ms with those of 64 Ki elements or more in one). On a GPU a
 call is dearer (a kernel launch), so the size is larger there (``ONE_PASS_MIN_NUMEL``).
 
 [Note: bucket rebuild]
