@@ -449,16 +449,18 @@ class Reducer:
                 "with sparse=False (e.g. nn.Embedding(..., sparse=False))."
             )
         divide = self.comm_hook is None and not self.batched_grad_copy
-        if g.requires_grad or (divide and (g.dtype != view.dtype or (self._one_pass[i] and g.data_ptr() != view.data_ptr()))):
+        if g.requires_grad:
             self._scaled_early[self._bucket_of[i]] = True
-            if g.requires_grad:
-                self._copy_in_graph_grad(g, view, divide)
-                return
-            torch.mul(g, self._inv, out=view)  # in the gradient's precision, as PyTorch's mul_out
+            self._copy_in_graph_grad(g, view, divide)
+        elif divide and (g.dtype != view.dtype or (self._one_pass[i] and g.data_ptr() != view.data_ptr())):
+            # Another dtype than its bucket, or large (and not already the bucket's view):
+            # copied and scaled now, in one pass, in the gradient's precision (PyTorch's mul_out).
+            self._scaled_early[self._bucket_of[i]] = True
+            torch.mul(g, self._inv, out=view)
             if self.gradient_as_bucket_view:
                 p.grad = view
-            return
-        self._deferred[self._bucket_of[i]].append(i)
+        else:
+            self._deferred[self._bucket_of[i]].append(i)
 
     def _copy_in_graph_grad(self, g: torch.Tensor, view: torch.Tensor, divide: bool) -> None:
         # backward(create_graph=True): the gradient carries a graph. Its value is averaged like
