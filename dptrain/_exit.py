@@ -17,8 +17,10 @@ waits with the GIL released until every gloo worker thread sleeps and has not ru
 milliseconds: idle, waiting for work (a thread that wanted the GIL got it while we slept).
 It is registered when this module loads, which every module that runs collectives does
 (``dptrain.comm``, ``dptrain.env``), so a script that makes its own group and never calls
-``dptrain.shutdown`` is covered too; ``shutdown`` calls it as well. It reads ``/proc``
-(Linux); elsewhere it returns at once. No torch here: the ground floor.
+``dptrain.shutdown`` is covered too. Registered before ``init`` registers
+``dptrain.shutdown``, it runs after it (``atexit`` runs the last registered first), once the
+group is destroyed. It reads ``/proc`` (Linux); elsewhere it returns at once. No torch here:
+the ground floor.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from dptrain import _diagnostics, _exit, _heartbeat, _join, environments
+from dptrain import _diagnostics, _heartbeat, _join, environments
+from dptrain import _exit  # noqa: F401 - registers the wait for gloo's workers at exit (see dptrain._exit)
 from dptrain._heartbeat import DEFAULT_TIMEOUT_S
 from dptrain.environments import expand_nodelist
 
@@ -312,7 +313,6 @@ def shutdown() -> None:
         release()
     if _STATE.owns_group and dist.is_initialized():
         dist.destroy_process_group()
-    _exit.settle_gloo_workers()  # before finalization (see dptrain._exit)
     _STATE.world = None
     _STATE.backend = None
     _STATE.store = None
