@@ -140,7 +140,7 @@ def _views_of(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.
 class _Bucket:
     """One flat buffer and the parameters packed into it."""
 
-    __slots__ = ("index", "indices", "params", "flat", "buffer", "views", "numel")
+    __slots__ = ("index", "indices", "params", "flat", "buffer", "views", "numel", "same_dtype")
 
     def __init__(
         self,
@@ -168,6 +168,7 @@ class _Bucket:
             self.flat = shm.zeros(padded, dtype or first.dtype, first.device)
         self.buffer = self.flat[: self.numel]
         self.views = _views_of(self.buffer, self.params)
+        self.same_dtype = self.flat.dtype == first.dtype  # False: reduced in a grad_dtype of its own
 
 
 def find_tensors(obj: Any, out: list) -> list:

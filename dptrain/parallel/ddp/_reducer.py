@@ -96,6 +96,8 @@ __all__ = ["Reducer", "BackwardPhase", "GradBucket", "compute_bucket_assignment"
 #: with its bucket (see [Note: a bucket at a time]); per device type, ``None`` for the others.
 ONE_PASS_MIN_NUMEL = {"cpu": 1 << 16, None: 1 << 20}
 
+_STRIDED = torch.strided
+
 
 class BackwardPhase(enum.Enum):
     """Where the reducer stands in a synced backward; the gradient hooks act on it."""
@@ -194,12 +196,14 @@ class Reducer:
     def _init_backward_state(self) -> None:
         """The per-backward fields (reset by prepare_for_backward) and what is learnt across them."""
         self.phase = BackwardPhase.IDLE
+        self._plain_backward = False  # a backward that needs no per-gradient bookkeeping (see _on_grad_ready)
         self._pending: list[int] = []
         self._ready = bytearray(len(self.params))
         self._next_bucket = 0
         self._works: list[Any] = []
         self._deferred: list[list[int]] = []  # per bucket: gradients waiting for its one copy
         self._scaled_early: list[bool] = []  # per bucket: holds a gradient scaled on arrival
+        self._irregular: list[bool] = []  # per bucket: a gradient was missing or carried a graph
         self._unused_now: list[int] = []
         self._div: int | None = None
         self._inv = 1.0
@@ -242,6 +246,9 @@ class Reducer:
         self._bucket_count = [len(b.indices) for b in self.buckets]
         self._one_pass = [v.numel() >= ONE_PASS_MIN_NUMEL.get(v.device.type, ONE_PASS_MIN_NUMEL[None])
                           for v in self._views]
+        # For the hooks' common case (see _on_grad_ready): which gradients may only be queued.
+        self._queueable = [not one_pass for one_pass in self._one_pass]
+        self._view_dtypes = [v.dtype for v in self._views]
         if self.gradient_as_bucket_view:
             with torch.no_grad():
                 for p, view in zip(self.params, self._views):
@@ -322,8 +329,10 @@ class Reducer:
         self._works = [None] * len(self.buckets)
         self._deferred = [[] for _ in self.buckets]
         self._scaled_early = [False] * len(self.buckets)
+        self._irregular = [False] * len(self.buckets)
         self._div = None
         self._rebuild.start_backward(self._static_first_iteration)
+        self._plain_backward = not (self.static_graph or self.find_unused_parameters or self._rebuild.recording)
         if self.find_unused_parameters:
             if profiling():
                 with record_span("torch.distributed.ddp.reducer::search_unused_parameters"):  # PyTorch's name
@@ -364,8 +373,25 @@ class Reducer:
         for j in self._unused_now:
             self._mark_ready(j)
 
-    def _on_grad_ready(self, i: int) -> None:
-        # The hot path: one call per parameter per backward; plain attributes only.
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        # The hot path: one call per parameter per backward, whose Python is the step's on a GPU
+        # (see [Note: a bucket at a time]). The common case (a running backward of plain
+        # settings, a dense gradient of its bucket's dtype, queued for the bucket's one copy)
+        # is done here inline; anything else goes the general way.
+        if self._plain_backward and self.phase is BackwardPhase.RUNNING:
+            g = param.grad
+            if (g is not None and self._queueable[i] and not self._ready[i] and not g.requires_grad
+                    and g.layout is _STRIDED and g.dtype is self._view_dtypes[i]):
+                self._ready[i] = 1
+                b = self._bucket_of[i]
+                self._deferred[b].append(i)
+                self._pending[b] -= 1
+                if self._pending[b] == 0 and b == self._next_bucket:
+                    self._launch_ready()
+                return
+        self._on_grad_ready_general(i)
+
+    def _on_grad_ready_general(self, i: int) -> None:
         if (self.static_graph or self.find_unused_parameters) and self._tracks_used:
             if self.params[i].grad is not None:
                 self._local_used[i] = 1  # also under no_sync: reduced at the next synced backward
@@ -397,14 +423,18 @@ class Reducer:
         b = self._bucket_of[i]
         self._pending[b] -= 1
         if self._pending[b] == 0 and b == self._next_bucket:
-            while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
-                bucket = self.buckets[self._next_bucket]
-                if not self._skips(bucket):
-                    self._flush_deferred(bucket)
-                    if bucket.index == len(self.buckets) - 1:
-                        self._cast_vote(bucket)
-                    self._launch(bucket)
-                self._next_bucket += 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch the buckets whose gradients are all in, in order from the next one."""
+        while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
+            bucket = self.buckets[self._next_bucket]
+            if not self._skips(bucket):
+                self._flush_deferred(bucket)
+                if bucket.index == len(self.buckets) - 1:
+                    self._cast_vote(bucket)
+                self._launch(bucket)
+            self._next_bucket += 1
 
     def _skips(self, bucket: _Bucket) -> bool:
         """skip_all_reduce_unused_params: a bucket of parameters unused this iteration stays local."""
@@ -440,6 +470,7 @@ class Reducer:
         p, view = self.params[i], self._views[i]
         g = p.grad
         if g is None:
+            self._irregular[self._bucket_of[i]] = True
             view.zero_()  # unused here: contribute zeros
             return
         if g.layout != torch.strided:
@@ -451,6 +482,7 @@ class Reducer:
         divide = self.comm_hook is None and not self.batched_grad_copy
         if g.requires_grad:
             self._scaled_early[self._bucket_of[i]] = True
+            self._irregular[self._bucket_of[i]] = True
             self._copy_in_graph_grad(g, view, divide)
         elif divide and (g.dtype != view.dtype or (self._one_pass[i] and g.data_ptr() != view.data_ptr())):
             # Another dtype than its bucket, or large (and not already the bucket's view):
@@ -482,16 +514,23 @@ class Reducer:
     def _flush_deferred(self, bucket: _Bucket) -> None:
         """The bucket's queued gradients in with one copy, then scaled (see [Note: a bucket at a time])."""
         params, views = self.params, self._views
+        self._divisor()  # the hooks' common case leaves it to here
         copied: list[int] = []  # gradients to copy into the bucket
         aliased: list[torch.Tensor] = []  # gradients that already are the bucket's views
+        grads: list[torch.Tensor] = []
         for i in self._deferred[bucket.index]:
-            if params[i].grad.data_ptr() == views[i].data_ptr():
+            g = params[i].grad
+            if g is None:  # dropped since its hook, by a hook of the user's: zeros, as PyTorch sends
+                views[i].zero_()
+                self._irregular[bucket.index] = True
+            elif g.data_ptr() == views[i].data_ptr():
                 aliased.append(views[i])
             else:
                 copied.append(i)
+                grads.append(g)
         targets = [views[i] for i in copied]
         if copied:
-            torch._foreach_copy_(targets, [params[i].grad for i in copied])
+            torch._foreach_copy_(targets, grads)
             if self.gradient_as_bucket_view:
                 for i, view in zip(copied, targets):
                     params[i].grad = view
@@ -653,6 +692,19 @@ class Reducer:
 
     def _write_back(self, bucket: _Bucket, source: list[torch.Tensor]) -> None:
         unused = self._global_unused
+        if unused is None and source is bucket.views and not self._irregular[bucket.index]:
+            # The common case: every gradient of the bucket arrived, dense and without a graph.
+            if self.gradient_as_bucket_view:
+                # The copy-in left every .grad as its view (_copy_in, _flush_deferred), unless a
+                # hook of the user's has reassigned one since.
+                if bucket.same_dtype and all(p.grad is v for p, v in zip(bucket.params, bucket.views)):
+                    return
+            else:
+                try:
+                    torch._foreach_copy_([p.grad for p in bucket.params], source)
+                    return
+                except TypeError:
+                    pass  # a .grad set to None since its hook (by a hook of the user's): the loop below
         copy_to, copy_from = [], []
         for i, p, view in zip(bucket.indices, bucket.params, source):
             if unused is not None and unused[i]:
@@ -683,9 +735,9 @@ class Reducer:
 
 def _make_hook(reducer_ref: "weakref.ref[Reducer]", index: int) -> Callable[[torch.Tensor], None]:
     # A weak reference: the hooks live on the parameters, which may outlive the DDP wrapper.
-    def hook(_param: torch.Tensor) -> None:
+    def hook(param: torch.Tensor) -> None:
         reducer = reducer_ref()
         if reducer is not None:
-            reducer._on_grad_ready(index)
+            reducer._on_grad_ready(index, param)
 
     return hook

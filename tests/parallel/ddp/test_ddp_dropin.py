@@ -243,6 +243,38 @@ def test_gradient_penalties_and_create_graph_like_torch():
             assert torch.equal(a, b)
 
 
+# ---------------------------------------------------------------------------- a user's gradient hooks
+def _user_hook_drops_a_grad(rank):
+    # A hook of the user's, registered after wrapping, sets the first-ready gradient (the last
+    # layer's bias) to None before its bucket is full: PyTorch's reducer then sends zeros for
+    # it and writes the average back into .grad; so must ours, not fail on the missing tensor.
+    out = {}
+    for flag in (False, True):
+        ours, theirs = build_pair("mlp", rank, {"gradient_as_bucket_view": flag})
+        for name, ddp in (("ours", ours), ("torch", theirs)):
+            last = list(ddp.module.parameters())[-1]
+            last.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            opt = make_optimizer("sgd", ddp.parameters())
+            _steps(ddp, opt, rank, 0, 3)
+            out[(name, flag)] = snapshot(ddp)
+        # Dropped after its bucket left (the first layer's weight, the last gradient to arrive,
+        # whose own hook sends the bucket): the average is written back as without the hook.
+        for name, drop in (("plain", False), ("dropped late", True)):
+            ddp = build_pair("mlp", rank, {"gradient_as_bucket_view": flag})[0]
+            if drop:
+                next(ddp.module.parameters()).register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            _steps(ddp, make_optimizer("sgd", ddp.parameters()), rank, 0, 3)
+            out[(name, flag)] = snapshot(ddp)
+    return out
+
+
+def test_a_gradient_set_to_none_by_a_later_hook_still_gets_the_average():
+    for out in run_ranks(_user_hook_drops_a_grad, 2):
+        for flag in (False, True):
+            _same(out[("ours", flag)], out[("torch", flag)], f"gradient_as_bucket_view={flag}")
+            _same(out[("dropped late", flag)], out[("plain", flag)], f"late, gradient_as_bucket_view={flag}")
+
+
 # ---------------------------------------------------------------------------- ignored parameters
 def _ignored(rank):
     out = {}
