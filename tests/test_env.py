@@ -184,7 +184,8 @@ def _init_alone(extra: dict) -> subprocess.CompletedProcess:
     """One process that runs dptrain.init() in a world where nobody else ever shows up."""
     launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM_", "TORCHELASTIC_", "GROUP_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_vars)}
-    env.update(DPTRAIN_WAIT_REPORT_S="1", DPTRAIN_TIMEOUT="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    # torch 2.4's client gives up connecting about 1 s before its timeout: 5 s leaves two reports
+    env.update(DPTRAIN_WAIT_REPORT_S="1", DPTRAIN_TIMEOUT="5", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env.update(extra)
     return subprocess.run([sys.executable, "-c", "import dptrain; dptrain.init()"], capture_output=True,
                           text=True, timeout=120, env=env)

@@ -95,11 +95,12 @@ def test_a_scheduler_made_on_the_given_optimizer_drives_the_sharded_one(kind):
     # follow it, or it decays the learning rate of an optimizer that is never stepped.
     ddp = run_ranks(_scheduled, 2, "ddp", kind)
     zero = run_ranks(_scheduled, 2, "zero", kind)
-    for (p_ddp, lr_ddp, _, _), (p_zero, lr_zero, moved, warned) in zip(ddp, zero):
+    for (p_ddp, lr_ddp, _, warned_ddp), (p_zero, lr_zero, moved, warned) in zip(ddp, zero):
         assert lr_zero == lr_ddp != [0.05]
         if kind == "step":
             assert lr_zero == [0.05 * 0.5**3]
-        assert moved and warned == []
+        # torch 2.4's SequentialLR warns by itself (it calls step(0) at a milestone): the same with "ddp"
+        assert moved and warned == warned_ddp
         assert _same(p_zero, p_ddp)
 
 

@@ -93,6 +93,14 @@ class RendezvousServer:
                 self.host, self.port, self.world_size, True, timeout=td, wait_for_workers=False,
                 master_listen_fd=self._sock.fileno(),
             )
+        except NotImplementedError:
+            # torch 2.4: its default (libuv) server cannot take a listening fd; the legacy one can.
+            # It gets a duplicate: it polls the fd until it stops, which may be after close()
+            # (or the interpreter's exit) has closed self._sock ("Unexpected poll revent ... 32").
+            self.store = dist.TCPStore(
+                self.host, self.port, self.world_size, True, timeout=td, wait_for_workers=False,
+                master_listen_fd=os.dup(self._sock.fileno()), use_libuv=False,
+            )
         except TypeError:  # torch without master_listen_fd: let the store bind by itself
             self._sock.close()
             self.store = dist.TCPStore(self.host, self.port, self.world_size, True, timeout=td,

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
+from dptrain import _torch_version
 from dptrain.launcher.janitor import parent_death_signal
 from dptrain.launcher.relay import Console, Relay
 
@@ -57,9 +58,10 @@ def rank_environ(
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
+    if (_torch_version.installed() or (99, 0)) >= (2, 9):  # torchrun sets it from torch 2.9 on
+        out["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     if error_dir is not None:
         # Where torch's @record decorator writes a rank's exception as JSON; we read it back
         # for the failure report, as torchrun does.

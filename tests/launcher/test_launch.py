@@ -62,6 +62,11 @@ def test_dptrain_run_gives_each_rank_torchruns_environment():
     a, b = _envs(ours.stdout), _envs(theirs.stdout)
     assert sorted(a) == sorted(b) == [0, 1, 2]
     varying = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+    if b[0].get("TORCHELASTIC_USE_AGENT_STORE") == "False":
+        # An older torchrun (2.4) hosts no agent store for --standalone; dptrain run always hosts
+        # the store its ranks connect to, and says so.
+        assert a[0]["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        varying.add("TORCHELASTIC_USE_AGENT_STORE")
     for r in range(3):
         assert set(a[r]) == set(b[r])
         assert {k: v for k, v in a[r].items() if k not in varying} == {k: v for k, v in b[r].items() if k not in varying}

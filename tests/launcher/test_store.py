@@ -58,9 +58,10 @@ def test_torchs_client_gets_torchs_answers_from_our_server(server):
     assert c.num_keys() == 6
     assert c.delete_key("a") and not c.delete_key("a")
     assert c.num_keys() == 5
-    c.queue_push("q", "e1")
-    c.queue_push("q", "e2")
-    assert (c.queue_pop("q"), c.queue_pop("q")) == (b"e1", b"e2")
+    if hasattr(c, "queue_push"):  # torch 2.4's client has no queues
+        c.queue_push("q", "e1")
+        c.queue_push("q", "e2")
+        assert (c.queue_pop("q"), c.queue_pop("q")) == (b"e1", b"e2")
     c.set("bytes", bytes(range(256)) * 300)  # binary values, larger than one read
     assert c.get("bytes") == bytes(range(256)) * 300
 
@@ -72,7 +73,7 @@ def test_a_timed_out_wait_is_withdrawn_and_the_connection_stays_usable(server):
     c.set("later", "still answered")  # the cancelled wait left nothing behind on this connection
     assert c.get("later") == b"still answered"
     with pytest.raises(dist.DistStoreError):  # get waits for the key, up to the client's timeout
-        _torch_client(server.port, datetime.timedelta(seconds=0.3)).get("missing")
+        _torch_client(server.port, datetime.timedelta(seconds=1)).get("missing")
 
 
 def _until(condition, timeout=30.0):

@@ -33,6 +33,16 @@ class DDPSetupError(ValueError, RuntimeError):
     """
 
 
+def _root_mesh(device_mesh: Any) -> Any:
+    """The mesh ``device_mesh`` was sliced from (itself when it was not): ``_get_root_mesh`` came
+    after torch 2.4, whose DDP asks ``_mesh_resources.get_parent_mesh`` instead."""
+    if hasattr(device_mesh, "_get_root_mesh"):
+        return device_mesh._get_root_mesh()
+    from torch.distributed.device_mesh import _mesh_resources
+
+    return _mesh_resources.get_parent_mesh(device_mesh) or device_mesh
+
+
 def resolve_group(process_group: Any, device_mesh: Any) -> Any:
     """The group DDP reduces over: PyTorch's rules for ``process_group`` and ``device_mesh``.
 
@@ -49,7 +59,7 @@ def resolve_group(process_group: Any, device_mesh: Any) -> Any:
                 f"Only 1D device mesh is supported, but got {device_mesh} with {device_mesh.ndim} dimensions; "
                 "pass the data-parallel dimension, e.g. device_mesh=mesh['dp']."
             )
-        if device_mesh._get_root_mesh() is not device_mesh:
+        if _root_mesh(device_mesh) is not device_mesh:
             raise NotImplementedError(
                 "device_mesh: a mesh sliced out of a larger one (DDP combined with tensor parallelism) is not "
                 "supported by dptrain's DDP; use torch.nn.parallel.DistributedDataParallel for DDP + TP, or "

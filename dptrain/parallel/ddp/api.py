@@ -444,7 +444,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return bool(self._buffers_to_sync())
 
     def _sync_buffers(self, src: int, buffers: list[torch.Tensor]) -> None:
-        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+        with _preserve_version_counters(buffers):
             setup.broadcast_coalesced(buffers, src, self.process_group, "DDP buffer broadcast (forward)")
 
     # ------------------------------------------------------------------ settings after construction
@@ -653,6 +653,19 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Concatenate per-device ``outputs`` along ``dim`` on ``output_device``."""
         device = torch.device(self.device_type, output_device) if isinstance(output_device, int) else torch.device(output_device)
         return _dp.gather(outputs, device, self.dim)
+
+
+# torch 2.4's _unsafe_preserve_version_counter takes one tensor; later ones also take a tuple.
+_PRESERVE_TAKES_TUPLE = "tensors" in inspect.signature(torch.autograd._unsafe_preserve_version_counter.__init__).parameters
+
+
+def _preserve_version_counters(tensors: list[torch.Tensor]) -> Any:
+    if _PRESERVE_TAKES_TUPLE:
+        return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
+    stack = contextlib.ExitStack()
+    for t in tensors:
+        stack.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+    return stack
 
 
 _IMPLEMENTED = frozenset(inspect.signature(DistributedDataParallel._construct).parameters)

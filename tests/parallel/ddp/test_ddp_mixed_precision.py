@@ -13,6 +13,7 @@ are compared from there; the first step is covered against the hand-written reci
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -48,10 +49,26 @@ class _NoStream:
     def wait_stream(self, stream):
         pass
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
 
 def _let_torch_mixed_precision_run_on_cpu() -> None:
     torch.Event = _NoEvent
-    torch.accelerator.current_stream = lambda *args, **kwargs: _NoStream()
+    # A CUDA build of torch without a usable GPU raises on torch.Stream() (its accelerator is
+    # still "cuda"); a CPU build gives a CPU stream, which does nothing either.
+    torch.Stream = lambda *args, **kwargs: _NoStream()
+    if hasattr(torch, "accelerator"):
+        torch.accelerator.current_stream = lambda *args, **kwargs: _NoStream()
+    # torch 2.4's DDP mixed precision is written against torch.cuda's streams and events.
+    torch.cuda.Stream = lambda *args, **kwargs: _NoStream()
+    torch.cuda.stream = lambda stream: stream
+    torch.cuda.Event = _NoEvent
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+    importlib.import_module("torch.distributed._functional_collectives")  # torch 2.4's _free_storage uses it unimported
 
 
 def _train(rank, set_to_none, reduce_dtype):
