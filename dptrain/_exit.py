@@ -21,20 +21,35 @@ It is registered when this module loads, which every module that runs collective
 ``dptrain.shutdown``, it runs after it (``atexit`` runs the last registered first), once the
 group is destroyed. It reads ``/proc`` (Linux); elsewhere it returns at once. No torch here:
 the ground floor.
+
+[Note: older torch]
+PyTorch names its gloo workers ``pt_gloo_runloop`` from 2.11 on (2.13 and 2.14 too). Before,
+they carry the name of the thread that made them (``pt_main_thread`` on 2.4, ``python`` on
+2.8), so there the wait takes every thread that Python did not start, other than the caller:
+idle native threads sleep too, and a busy one only costs the wait its limit. And before 2.8,
+``destroy_process_group`` holds the GIL while it waits for the group's workers, one of which
+may need the GIL to drop a tensor: the rank hangs in ``dptrain.shutdown`` (7 of 10 pinned
+2-rank jobs on torch 2.4.1; PyTorch's fix is pytorch/pytorch#154976).
+:func:`settle_before_destroy` waits for the workers first there.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import threading
 import time
 
-__all__ = ["settle_gloo_workers", "SETTLE_LIMIT_S"]
+from dptrain import _torch_version
+
+__all__ = ["settle_gloo_workers", "settle_before_destroy", "SETTLE_LIMIT_S"]
 
 #: The longest :func:`settle_gloo_workers` waits, in seconds (a worker busy with a
 #: collective nobody waits for would otherwise hold the exit).
 SETTLE_LIMIT_S = 2.0
 _GLOO_WORKER = "pt_gloo_runloop"  # the name PyTorch gives a gloo process group's worker threads
+_NAMED_FROM = (2, 11)  # the first torch that names them so (see [Note: older torch])
+_GIL_FREE_DESTROY_FROM = (2, 8)  # the first torch whose group destruction releases the GIL
 _TASKS = "/proc/self/task"
 
 
@@ -55,7 +70,7 @@ def settle_gloo_workers(limit_s: float = SETTLE_LIMIT_S, quiet_s: float = 0.005)
     deadline = time.monotonic() + limit_s
     before = None
     while True:
-        now = _gloo_workers()
+        now = _gloo_workers(_older_than(_NAMED_FROM))
         if not now or (now == before and all(state == "S" for state, _ in now.values())):
             return True
         if time.monotonic() > deadline:
@@ -64,18 +79,40 @@ def settle_gloo_workers(limit_s: float = SETTLE_LIMIT_S, quiet_s: float = 0.005)
         time.sleep(quiet_s)  # the GIL is free meanwhile
 
 
-def _gloo_workers() -> dict[str, tuple[str, str]]:
-    """{thread id: (scheduler state, time slices run)} of this process's gloo worker threads."""
+def settle_before_destroy() -> None:
+    """Before torch 2.8: wait for the gloo workers before destroying a group, so that none needs
+    the GIL that ``destroy_process_group`` holds (see [Note: older torch]). Later torch: nothing.
+
+    Example:
+        >>> settle_before_destroy(); dist.destroy_process_group()   # doctest: +SKIP
+    """
+    if _older_than(_GIL_FREE_DESTROY_FROM):
+        settle_gloo_workers()
+
+
+def _older_than(version: tuple[int, int]) -> bool:
+    found = _torch_version.installed()
+    return found is not None and found < version
+
+
+def _gloo_workers(unnamed: bool = False) -> dict[str, tuple[str, str]]:
+    """{thread id: (scheduler state, time slices run)} of this process's gloo worker threads;
+    ``unnamed``: of every thread that Python did not start, but the caller (older torch)."""
     out: dict[str, tuple[str, str]] = {}
     try:
         tids = os.listdir(_TASKS)
     except OSError:
         return out
+    python_threads = {str(t.native_id) for t in threading.enumerate()} | {str(threading.get_native_id())}
     for tid in tids:
         try:
-            with open(f"{_TASKS}/{tid}/comm") as f:
-                if f.read().strip() != _GLOO_WORKER:
+            if unnamed:
+                if tid in python_threads:
                     continue
+            else:
+                with open(f"{_TASKS}/{tid}/comm") as f:
+                    if f.read().strip() != _GLOO_WORKER:
+                        continue
             with open(f"{_TASKS}/{tid}/stat") as f:
                 stat = f.read()
             with open(f"{_TASKS}/{tid}/schedstat") as f:

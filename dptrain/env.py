@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain import _diagnostics, _heartbeat, _join, environments
-from dptrain import _exit  # noqa: F401 - registers the wait for gloo's workers at exit (see dptrain._exit)
+from dptrain import _exit  # also registers the wait for gloo's workers at exit (see dptrain._exit)
 from dptrain._heartbeat import DEFAULT_TIMEOUT_S
 from dptrain.environments import expand_nodelist
 
@@ -312,6 +312,7 @@ def shutdown() -> None:
     for release in list(_AT_SHUTDOWN):
         release()
     if _STATE.owns_group and dist.is_initialized():
+        _exit.settle_before_destroy()  # torch < 2.8 could hang here otherwise (see dptrain._exit)
         dist.destroy_process_group()
     _STATE.world = None
     _STATE.backend = None

@@ -34,12 +34,15 @@ class DDPSetupError(ValueError, RuntimeError):
 
 
 def _root_mesh(device_mesh: Any) -> Any:
-    """The mesh ``device_mesh`` was sliced from (itself when it was not): ``_get_root_mesh`` came
-    after torch 2.4, whose DDP asks ``_mesh_resources.get_parent_mesh`` instead."""
+    """The mesh ``device_mesh`` was sliced from (itself when it was not), asked as the installed
+    torch's own DDP asks: ``DeviceMesh._get_root_mesh`` (2.11 on), ``_mesh_resources.get_root_mesh``
+    (2.8) or ``_mesh_resources.get_parent_mesh`` (2.4)."""
     if hasattr(device_mesh, "_get_root_mesh"):
         return device_mesh._get_root_mesh()
     from torch.distributed.device_mesh import _mesh_resources
 
+    if hasattr(_mesh_resources, "get_root_mesh"):
+        return _mesh_resources.get_root_mesh(device_mesh)
     return _mesh_resources.get_parent_mesh(device_mesh) or device_mesh
 
 
