@@ -69,8 +69,9 @@ def settle_gloo_workers(limit_s: float = SETTLE_LIMIT_S, quiet_s: float = 0.005)
     """
     deadline = time.monotonic() + limit_s
     before = None
+    unnamed = _older_than(_NAMED_FROM)
     while True:
-        now = _gloo_workers(_older_than(_NAMED_FROM))
+        now = _gloo_workers(unnamed)
         if not now or (now == before and all(state == "S" for state, _ in now.values())):
             return True
         if time.monotonic() > deadline:
