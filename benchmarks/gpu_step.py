@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dptrain
+from dptrain import _torch_version
 
 
 def _mlp(width: int, depth: int) -> nn.Module:
@@ -132,8 +133,8 @@ def _rank(rank: int, args: argparse.Namespace) -> dict:
 
     peak = {}
     # FSDP2 runs on a CPU from torch 2.6 on; before, only on CUDA: ours is then timed alone.
-    cpu_fsdp2 = device.type == "cuda" or tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6)
-    for name in ("ours", "fsdp2") if cpu_fsdp2 else ("ours",):
+    fsdp2_runs = device.type == "cuda" or not _torch_version.older_than((2, 6))
+    for name in ("ours", "fsdp2") if fsdp2_runs else ("ours",):
         _peak_reset(device)
         if name == "ours":
             model = dptrain.FSDP(make(), auto_wrap_policy=ModuleTypePolicy({unit}), device_id=device)

@@ -69,7 +69,7 @@ def settle_gloo_workers(limit_s: float = SETTLE_LIMIT_S, quiet_s: float = 0.005)
     """
     deadline = time.monotonic() + limit_s
     before = None
-    unnamed = _older_than(_NAMED_FROM)
+    unnamed = _torch_version.older_than(_NAMED_FROM)
     while True:
         now = _gloo_workers(unnamed)
         if not now or (now == before and all(state == "S" for state, _ in now.values())):
@@ -87,13 +87,8 @@ def settle_before_destroy() -> None:
     Example:
         >>> settle_before_destroy(); dist.destroy_process_group()   # doctest: +SKIP
     """
-    if _older_than(_GIL_FREE_DESTROY_FROM):
+    if _torch_version.older_than(_GIL_FREE_DESTROY_FROM):
         settle_gloo_workers()
-
-
-def _older_than(version: tuple[int, int]) -> bool:
-    found = _torch_version.installed()
-    return found is not None and found < version
 
 
 def _gloo_workers(unnamed: bool = False) -> dict[str, tuple[str, str]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
-__all__ = ["MIN_TORCH", "installed", "check"]
+__all__ = ["MIN_TORCH", "installed", "older_than", "check"]
 
 #: The oldest torch dptrain supports: 2.4 brought ``torch.is_autocast_enabled(device_type)``
 #: and the ``torch.amp.GradScaler(device)`` form that the Trainer and DataParallel use.
@@ -23,6 +23,13 @@ def installed() -> tuple[int, int] | None:
         return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
     except (metadata.PackageNotFoundError, ValueError, IndexError):
         return None
+
+
+def older_than(version: tuple[int, int]) -> bool:
+    """Whether the installed torch is known to be older than ``version`` (major, minor); an
+    unknown one counts as new."""
+    found = installed()
+    return found is not None and found < version
 
 
 def check(found: tuple[int, int] | None = None) -> None:

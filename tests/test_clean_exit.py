@@ -77,12 +77,12 @@ def test_the_exit_wait_sees_gloo_workers_and_returns_once_they_are_idle():
     # release renamed them, the wait would silently find nothing, and this says so.
     code = (
         "import os, time, torch, torch.distributed as dist\n"
-        "from dptrain import _exit\n"
+        "from dptrain import _exit, _torch_version\n"
         "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PORT'])\n"
         "dist.init_process_group('gloo', rank=0, world_size=1)\n"
         "dist.all_reduce(torch.ones(8))\n"
         "t = time.monotonic(); ok = _exit.settle_gloo_workers(); took = time.monotonic() - t\n"
-        "workers = _exit._gloo_workers(_exit._older_than(_exit._NAMED_FROM))\n"
+        "workers = _exit._gloo_workers(_torch_version.older_than(_exit._NAMED_FROM))\n"
         "print(len(workers), ok, sorted({s for s, _ in workers.values()}), round(took, 3))\n"
         "dist.destroy_process_group()\n"
     )

@@ -40,3 +40,11 @@ def test_the_installed_torch_is_supported_and_read_without_importing_it():
 
     major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     assert out.stdout.split() == [f"({major},", f"{minor})", "False"], out.stdout + out.stderr
+
+
+def test_older_than_compares_the_installed_torch_and_counts_an_unknown_one_as_new(monkeypatch):
+    found = _torch_version.installed()
+    assert _torch_version.older_than((found[0], found[1] + 1))
+    assert not _torch_version.older_than(found)
+    monkeypatch.setattr(_torch_version, "installed", lambda: None)  # a source build without metadata
+    assert not _torch_version.older_than((99, 0))

@@ -60,7 +60,7 @@ def rank_environ(
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
-    if (_torch_version.installed() or (99, 0)) >= (2, 9):  # torchrun sets it from torch 2.9 on
+    if not _torch_version.older_than((2, 9)):  # torchrun sets it from torch 2.9 on
         out["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     if error_dir is not None:
         # Where torch's @record decorator writes a rank's exception as JSON; we read it back

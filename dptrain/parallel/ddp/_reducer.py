@@ -246,9 +246,7 @@ class Reducer:
         self._bucket_count = [len(b.indices) for b in self.buckets]
         self._one_pass = [v.numel() >= ONE_PASS_MIN_NUMEL.get(v.device.type, ONE_PASS_MIN_NUMEL[None])
                           for v in self._views]
-        # For the hooks' common case (see _on_grad_ready): which gradients may only be queued.
-        self._queueable = [not one_pass for one_pass in self._one_pass]
-        self._view_dtypes = [v.dtype for v in self._views]
+        self._view_dtypes = [v.dtype for v in self._views]  # read by the hooks' common case (_on_grad_ready)
         if self.gradient_as_bucket_view:
             with torch.no_grad():
                 for p, view in zip(self.params, self._views):
@@ -380,7 +378,7 @@ class Reducer:
         # is done here inline; anything else goes the general way.
         if self._plain_backward and self.phase is BackwardPhase.RUNNING:
             g = param.grad
-            if (g is not None and self._queueable[i] and not self._ready[i] and not g.requires_grad
+            if (g is not None and not self._one_pass[i] and not self._ready[i] and not g.requires_grad
                     and g.layout is _STRIDED and g.dtype is self._view_dtypes[i]):
                 self._ready[i] = 1
                 b = self._bucket_of[i]
