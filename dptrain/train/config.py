@@ -38,7 +38,12 @@ class TrainerConfig:
         batch_size: per-rank batch size, used only when datasets (not loaders) are given.
         eval_batch_size: per-rank batch size for dev/test datasets. Default: ``batch_size``.
         num_workers: DataLoader workers when the Trainer builds the loaders. Default 0.
-        seed: sampler seed when the Trainer builds the loaders. Default 0.
+        seed: sampler seed when the Trainer builds the loaders (or re-shards a plain one). Default 0.
+        use_distributed_sampler: on several ranks, a train DataLoader with PyTorch's default
+            sampler (sequential or random, no DistributedSampler) is rebuilt over a
+            :class:`dptrain.DistributedSampler` with the same batch size, shuffle, ``drop_last``,
+            collate function and workers, so each rank trains on its own share (said once
+            from rank 0). False keeps such a loader as it is. Default True.
         gradient_accumulation_steps: micro-batches per optimizer step; the first k-1 run
             under ``no_sync()``. Default 1.
         max_grad_norm: clip the global gradient norm to this value. Default None (no clipping).
@@ -114,6 +119,7 @@ class TrainerConfig:
     eval_batch_size: int | None = None
     num_workers: int = 0
     seed: int = 0
+    use_distributed_sampler: bool = True
     gradient_accumulation_steps: int = 1
     max_grad_norm: float | None = None
     amp: bool = False

@@ -32,6 +32,8 @@ import sys
 import time
 from typing import Any, Mapping
 
+from dptrain.env import _warn_once_main
+
 __all__ = ["TrainerLog", "format_metrics", "progress_mode"]
 
 
@@ -52,13 +54,26 @@ def progress_mode(progress: bool | None) -> str:
     if progress is False:
         return "off"
     if progress is True:
-        return "bar"
+        if _have_tqdm():
+            return "bar"
+        _warn_once_main("TrainerConfig(progress=True): the tqdm package is not installed, so progress is shown as "
+                        "lines; pip install tqdm for a live bar")
+        return "lines"
     watched = os.environ.get("DPTRAIN_PROGRESS", "")
     if watched == "off":  # dptrain run does not show this rank's output (--log-ranks)
         return "off"
     if watched == "tty" or (not watched and sys.stderr.isatty()):
-        return "bar"
+        return "bar" if _have_tqdm() else "lines"
     return "lines"
+
+
+def _have_tqdm() -> bool:
+    """Whether the bar can be drawn: tqdm is optional (the ``examples`` extra), lines need nothing."""
+    try:
+        import tqdm.auto  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _finite_number(value: Any) -> bool:

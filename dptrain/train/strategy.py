@@ -181,7 +181,9 @@ class _TorchDDPStrategy(_DDPStrategy):
                 f"TrainerConfig(strategy={self.name!r}) needs a process group, but this is a single process "
                 f"(world size {world_size}); launch with `dptrain run --nproc-per-node N` or use strategy='none'"
             )
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=self._device_ids(), **self.kwargs)
+        from dptrain.parallel.ddp._signature import torch_ddp  # torch's class even where its name now means ours
+
+        return torch_ddp()(model, device_ids=self._device_ids(), **self.kwargs)
 
 
 class _ZeroStrategy(_DDPStrategy):

@@ -28,7 +28,7 @@ from torch import nn
 from dptrain import _heartbeat, comm
 from dptrain._tensors import move_to_device
 from dptrain.data import prepare_dataloader
-from dptrain.env import _warn_once_main, device as _default_device, get_world
+from dptrain.env import World, _warn_once_main, device as _default_device, get_world, init, is_initialized, world_from_environ
 from dptrain.train import _parts, evaluation
 from dptrain.train.evaluation import forward, num_samples, split_batch
 from dptrain.train.callbacks import Callback, EarlyStopping, NonFiniteError, NonFiniteGuard, StepInfo, gather_step_values
@@ -38,10 +38,29 @@ from dptrain.train.log import TrainerLog, format_metrics
 from dptrain.train.preemption import Preempted, PreemptionWatcher, in_slurm_job, requeue_job
 from dptrain.train.profile import StepProfiler
 from dptrain.train.report import install_excepthook
+from dptrain.train.sharding import check_equal_batches, check_optimizer_params, shard_train_loader
 from dptrain.train.state import TrainState, reads_state
 from dptrain.train.strategy import build_scheduler, make_strategy
 
 __all__ = ["Trainer"]
+
+
+def _join_if_launched() -> World:
+    """The world, joined: a script under a launcher that forgot ``dptrain.init()`` is joined here.
+
+    The Trainer owns the loop, so it can make the call the script left out; without it every
+    rank would train alone on its share and end with weights of its own.
+    """
+    if not is_initialized():
+        described = world_from_environ()
+        if described.is_distributed or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            init()
+            _warn_once_main(
+                f"dptrain.Trainer: dptrain.init() had not been called, so the Trainer called it (this job has "
+                f"{described.world_size} ranks); call it yourself at the top of the script, before building the "
+                f"model, the loaders or DDP"
+            )
+    return get_world()
 
 
 def _training_device(model: nn.Module) -> torch.device:
@@ -64,9 +83,15 @@ class Trainer:
             Trainer wraps it with ``config.strategy``.
         optimizer: an optimizer built on ``model.parameters()``, or a callable
             ``params -> optimizer`` (required for ``"fsdp"``, whose parameters only exist
-            after wrapping).
+            after wrapping). One that holds parameters of another module (a copy of the
+            model, a second model) is refused.
         train_data: a DataLoader (ideally from :func:`dptrain.prepare_dataloader`, whose
             position can be checkpointed) or a Dataset (then ``config.batch_size`` is used).
+            On several ranks a plain DataLoader (PyTorch's default sampler) is rebuilt over a
+            :class:`dptrain.DistributedSampler` with its batch size, shuffle, ``drop_last``,
+            collate function and workers, unless ``config.use_distributed_sampler`` is False.
+            Every rank must get the same number of batches: the ranks compare their counts
+            when an epoch starts.
         loss_fn: ``loss_fn(outputs, targets) -> scalar tensor`` (mean over the batch).
         config: a :class:`TrainerConfig`. Default ``TrainerConfig()``.
         dev_data: optional loader/dataset evaluated after every epoch, gathered exactly
@@ -94,9 +119,15 @@ class Trainer:
         callbacks: :class:`dptrain.train.Callback` objects, called in order after the
             built-in ones (the NaN guard and early stopping the config asks for).
 
+    Under a launcher (``dptrain run``, torchrun, ``srun``) the Trainer calls
+    :func:`dptrain.init` itself when the script has not (saying so once).
+
     Raises:
         ValueError: inconsistent arguments (e.g. a Dataset without ``config.batch_size``,
-            ``"torch-ddp"`` without a process group), with the fix.
+            ``"torch-ddp"`` without a process group, an optimizer on parameters that are not
+            the model's), with the fix.
+        RuntimeError: (from ``fit``) the ranks' train loaders yield different numbers of
+            batches in an epoch; the message gives every rank's count.
         FileNotFoundError: ``resume`` names a missing file.
         dptrain.checkpoint.CheckpointError: the checkpoint directory cannot be written
             (found before any training), or ``resume`` names an unreadable file or one
@@ -131,13 +162,15 @@ class Trainer:
         if not isinstance(self.config, TrainerConfig):
             raise ValueError(f"config must be a dptrain.TrainerConfig, got {type(self.config).__name__}")
         cfg = self.config
-        self.world = get_world()
+        self.world = _join_if_launched()
         self.rank = self.world.rank
         self.device = torch.device(device) if device is not None else _training_device(model)
         self.loss_fn = loss_fn
         self.metric_fn = metric_fn
         self.hparams = dict(hparams or {})
         self.strategy = make_strategy(cfg.strategy, self.world.world_size, self.device, cfg, optimizer)
+        if not callable(optimizer):
+            check_optimizer_params(optimizer, model, loss_fn)
 
         self.train_loader = self._loader(train_data, "train")
         self.dev_loader = self._loader(dev_data, "eval") if dev_data is not None else None
@@ -189,7 +222,9 @@ class Trainer:
     # ------------------------------------------------------------------ construction ----
     def _loader(self, data: Any, mode: str):
         if isinstance(data, torch.utils.data.DataLoader):
-            return data
+            if mode != "train":
+                return data
+            return shard_train_loader(data, self.world.world_size, self.config.seed, self.config.use_distributed_sampler)
         if isinstance(data, torch.utils.data.Dataset):
             bs = self.config.batch_size if mode == "train" else (self.config.eval_batch_size or self.config.batch_size)
             if bs is None:
@@ -375,6 +410,7 @@ class Trainer:
     def _run_epoch(self, max_epochs: int) -> None:
         epoch, start = self.epoch, self.batch_in_epoch
         it, num_batches = self.state.begin_epoch(self.train_loader)
+        check_equal_batches(num_batches, start, epoch, self.world, self.device)
         self.model.train()
         self.log.start_epoch(epoch, max_epochs, num_batches, start)
         t0 = time.perf_counter()

@@ -17,20 +17,54 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EXTENSIONS", "bind_arguments", "check_bucket_cap_mb", "installed_signature", "torch_has"]
+__all__ = ["EXTENSIONS", "bind_arguments", "check_bucket_cap_mb", "installed_signature", "torch_ddp", "torch_has"]
 
 EXTENSIONS = ("shm", "compression", "overlap_optimizer")  # ours, keyword only, not in PyTorch's DDP
 
 _cache: dict[Any, inspect.Signature] = {}
+_torch_class: list[type] = []
+
+
+def _is_torchs(cls: Any) -> bool:
+    return (
+        isinstance(cls, type)
+        and cls.__module__ == "torch.nn.parallel.distributed"
+        and cls.__qualname__ == "DistributedDataParallel"
+    )
+
+
+def torch_ddp() -> type:
+    """PyTorch's own ``DistributedDataParallel`` class, also where torch's names were rebound to ours.
+
+    Rebinding ``torch.nn.parallel.DistributedDataParallel`` (and the same name in
+    ``torch.nn.parallel.distributed``) to dptrain's class is how code one cannot edit is put on
+    dptrain. Reading torch's signature through those names would then read our own, so the
+    genuine class is found by where it was defined: the names first, then among ``nn.Module``'s
+    direct subclasses, where the class stays whatever its module attribute now holds.
+    """
+    if _torch_class:
+        return _torch_class[0]
+    candidates = [
+        getattr(nn.parallel.distributed, "DistributedDataParallel", None),
+        getattr(nn.parallel, "DistributedDataParallel", None),
+        *nn.Module.__subclasses__(),
+    ]
+    for cls in candidates:
+        if _is_torchs(cls):
+            _torch_class.append(cls)
+            return cls
+    raise RuntimeError(  # only a torch whose DDP moved, which dptrain's supported range excludes
+        f"dptrain could not find torch.nn.parallel.distributed.DistributedDataParallel in torch {torch.__version__}"
+    )
 
 
 def _torch_parameters() -> list[inspect.Parameter]:
-    return list(inspect.signature(nn.parallel.distributed.DistributedDataParallel.__init__).parameters.values())
+    return list(inspect.signature(torch_ddp().__init__).parameters.values())
 
 
 def installed_signature() -> inspect.Signature:
     """``__init__``'s signature: the installed torch's DDP constructor, then our keyword-only extensions."""
-    key = nn.parallel.distributed.DistributedDataParallel.__init__
+    key = torch_ddp().__init__
     sig = _cache.get(key)
     if sig is None:
         params = _torch_parameters()

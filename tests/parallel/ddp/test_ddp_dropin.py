@@ -22,7 +22,7 @@ from torch.nn import functional as F
 import dptrain
 from tests._dist import run_ranks
 from tests.parallel.ddp._torch_args import TORCH_DDP_ARGS, torch_accepts
-from tests.parallel.ddp._ddp_models import BNNet, build_pair, make_batch, make_optimizer, snapshot, train_step
+from tests.parallel.ddp._ddp_models import MODELS, BNNet, build_pair, make_batch, make_optimizer, snapshot, train_step
 
 TorchDDP = nn.parallel.DistributedDataParallel
 BOTH = (("ours", dptrain.DDP), ("torch", TorchDDP))
@@ -583,3 +583,45 @@ def test_mixed_precision_reduces_like_torchs_recipe():
         for out_dtype, param_dtypes, grad_dtypes in dtypes:
             assert out_dtype == torch.bfloat16
             assert set(param_dtypes) == set(grad_dtypes) == {torch.float32}
+
+
+# ---------------------------------------------------------------------------- torch's names rebound
+def _trained(rank, build, flag):
+    torch.manual_seed(7 + rank)  # rank-dependent init: the constructor must broadcast rank 0's weights
+    model = build(MODELS["mlp"](), device_ids=None, bucket_cap_mb=1, gradient_as_bucket_view=flag)
+    _steps(model, make_optimizer("sgd", model.parameters()), rank, 0, 3)
+    return model
+
+
+def _rebound(rank):
+    """Code one cannot edit, put on dptrain by rebinding both of torch's names to ours."""
+    from torch.nn.parallel import distributed as torch_distributed
+
+    from dptrain.train.config import TrainerConfig
+    from dptrain.train.strategy import make_strategy
+
+    original = (nn.parallel.DistributedDataParallel, torch_distributed.DistributedDataParallel)
+    out = {}
+    try:
+        nn.parallel.DistributedDataParallel = dptrain.DDP
+        torch_distributed.DistributedDataParallel = dptrain.DDP
+        for flag in (False, True):
+            ours = _trained(rank, lambda *a, **k: nn.parallel.DistributedDataParallel(*a, **k), flag)
+            assert type(ours) is dptrain.DDP and isinstance(ours, torch_distributed.DistributedDataParallel)
+            out[("rebound", flag)] = snapshot(ours)
+        # The Trainer's "torch-ddp" strategy still means PyTorch's own class.
+        strategy = make_strategy("torch-ddp", 2, torch.device("cpu"), TrainerConfig())
+        out["strategy wraps in"] = type(strategy.wrap(nn.Linear(2, 2), 2))
+    finally:
+        nn.parallel.DistributedDataParallel, torch_distributed.DistributedDataParallel = original
+    for flag in (False, True):
+        out[("torch", flag)] = snapshot(_trained(rank, TorchDDP, flag))
+    return out
+
+
+def test_torchs_names_rebound_to_ours_train_bitwise_like_torch():
+    """`torch.nn.parallel.DistributedDataParallel = dptrain.DDP` (both names): constructs and trains as torch's."""
+    for out in run_ranks(_rebound, 2):
+        for flag in (False, True):
+            _same(out[("rebound", flag)], out[("torch", flag)], f"rebound, gradient_as_bucket_view={flag}")
+        assert out["strategy wraps in"] is TorchDDP
