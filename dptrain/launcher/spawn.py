@@ -3,6 +3,36 @@
 The in-process form of ``dptrain run``: each process gets torchrun's environment and a
 store hosted by the caller; a rank that raises or dies stops the others, and its error is
 re-raised in the caller naming the rank.
+
+[Note: how the ranks start when no start method is given]
+``spawn`` (a fresh interpreter per rank) is the safe default: nothing of the caller's state is
+copied, CUDA may already be in use, and it works on every platform. But a fresh interpreter
+finds ``fn`` by name: multiprocessing pickles it as ``__main__.work`` and re-creates
+``__main__`` in the child by importing or re-running its file. A Jupyter kernel, ``python -c``
+and the REPL have no such file: the child's ``__main__`` is empty and the rank dies with
+"Can't get attribute 'work' on <module '__main__'>". ``python -`` is worse: its ``__main__``
+names the file ``<stdin>``, which the child tries to run, so no rank starts whatever ``fn`` is.
+
+So when ``start_method`` is left at None, :func:`_choose_start_method` forks instead in
+exactly those cases (what Accelerate's ``notebook_launcher`` and Lightning's ``ddp_notebook``
+do): ``__main__`` cannot be re-created, and ``fn`` or ``args`` need it (pickling them names
+something in ``__main__``, or they cannot be pickled at all: a lambda, a closure). A
+function imported from a file still gets fresh processes, from a notebook too. Forking, each
+rank is a copy of the caller, so everything the notebook defined is there: functions,
+classes, globals, closures. We chose this over pickling functions by value (cloudpickle's
+way), which would need a second pickler for code objects, closures and classes defined in
+the notebook, for less than a fork gives.
+
+Fork has two caveats. CUDA cannot be used in a forked child of a process that has
+initialized it ("Cannot re-initialize CUDA in forked subprocess"), and each rank would only
+find that out after the fork: :func:`_choose_start_method` checks ``torch.cuda.is_initialized()``
+first (without importing torch) and raises with the two ways out. And only the forking
+thread lives on in the child: a lock another thread held at that moment (a Jupyter kernel has
+several threads) stays held there. Python re-initializes its own (imports, logging,
+threading) after a fork, and ipykernel its output streams, which is why notebooks fork in
+practice; the risk left, a library's private lock taken by another thread at that instant,
+is the one Accelerate and Lightning accept too. An explicit ``start_method`` is always used
+as given.
 """
 
 from __future__ import annotations
@@ -11,8 +41,10 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import sys
 import time
 import traceback
+import types
 from typing import Any, Callable, Sequence
 
 from dptrain._errors import RankFailedError
@@ -90,7 +122,7 @@ def spawn(
     args: Sequence[Any] = (),
     *,
     timeout: float | None = None,
-    start_method: str = "spawn",
+    start_method: str | None = None,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` in ``nprocs`` new processes and return their results.
@@ -100,13 +132,23 @@ def spawn(
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, a free MASTER_PORT, ...), so ``dptrain.init()``
     inside ``fn`` joins the job; the process group is shut down when ``fn`` returns.
 
+    In a script, put the call under ``if __name__ == "__main__":`` (each new process
+    imports the script to find ``fn``). In a Jupyter notebook, ``python -c``, ``python -``
+    or the REPL, a function defined right there works too: the ranks are then forked
+    from the caller (see ``start_method``).
+
     Args:
-        fn: a picklable (module-level) function; called as ``fn(rank, *args)``.
+        fn: the function each rank runs, called as ``fn(rank, *args)``: a module-level
+            function, or, in a notebook or another ``__main__`` without a file, any function.
         nprocs: number of ranks, >= 1.
         args: extra positional arguments for ``fn``. Default ``()``.
         timeout: seconds after which every rank still running is killed and
             ``TimeoutError`` is raised. Default None (no limit).
-        start_method: ``"spawn"`` (default), ``"forkserver"`` or ``"fork"``.
+        start_method: how the rank processes start: ``"spawn"``, ``"forkserver"`` or
+            ``"fork"``, used as given. Default None: ``"spawn"`` (fresh interpreters),
+            except where a fresh interpreter cannot find ``fn`` or ``args`` -- defined in a
+            notebook, ``python -c``, ``python -`` or the REPL -- where it is ``"fork"``
+            (each rank a copy of this process, as Accelerate's ``notebook_launcher`` does).
         env: extra environment variables for the ranks.
 
     Returns:
@@ -114,19 +156,27 @@ def spawn(
 
     Raises:
         ValueError: ``nprocs < 1``.
+        RuntimeError: ``start_method`` is None, the ranks must be forked (see above), and
+            CUDA is already initialized in this process, or this platform cannot fork.
+            The message shows the fix: call ``spawn`` before anything uses CUDA, or
+            move ``fn`` into a file and import it.
         RankFailedError: a rank raised or died; names the rank and carries its traceback.
             The other ranks are stopped first.
         TimeoutError: ``timeout`` passed; names the ranks still running.
 
-    Example:
+    Example (a notebook cell; in a script, the last line goes under ``if __name__ == "__main__":``):
         >>> def work(rank):
         ...     dptrain.init()
-        ...     return dptrain.world_size()
-        >>> dptrain.spawn(work, nprocs=2)   # doctest: +SKIP
-        [2, 2]
+        ...     t = torch.tensor([float(rank)])
+        ...     dptrain.comm.all_reduce(t, op="avg")
+        ...     return t.item()
+        >>> dptrain.spawn(work, nprocs=2, timeout=60)   # doctest: +SKIP
+        [0.5, 0.5]
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"spawn needs nprocs >= 1, got {nprocs!r}")
+    if start_method is None:
+        start_method = _choose_start_method(fn, tuple(args), nprocs)
     ctx = mp.get_context(start_method)
     server = RendezvousServer("127.0.0.1", 0, nprocs, timeout_s=wait_s(timeout))
     server.serve()
@@ -152,6 +202,118 @@ def spawn(
         for c in conns:
             c.close()
         server.close()
+
+
+# ---------------------------------------------------------------------------------------
+# The default start method: see [Note: how the ranks start when no start method is given].
+
+
+def _main_in_new_process() -> str:
+    """What a freshly spawned interpreter makes of this process's ``__main__``.
+
+    ``"file"``: it imports or runs the same file, so ``__main__``'s functions are found.
+    ``"empty"``: it skips ``__main__`` (a Jupyter kernel, ``python -c``, the REPL,
+    ``python -m pkg``). ``"broken"``: it tries to run a file that does not exist (``python -``
+    names it ``<stdin>``) and dies. The cases are multiprocessing's own
+    (``multiprocessing.spawn.get_preparation_data`` and ``_fixup_main_from_*``).
+    """
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if spec_name is not None:
+        return "empty" if spec_name == "__main__" or spec_name.endswith(".__main__") else "file"
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.splitext(os.path.basename(path))[0] == "ipython":
+        return "empty"
+    # multiprocessing resolves a relative path against the directory the caller started in.
+    path = os.path.join(mp.process.ORIGINAL_DIR or "", path)
+    return "file" if os.path.isfile(path) else "broken"
+
+
+class _Discard:
+    def write(self, data) -> int:
+        return len(data)
+
+
+class _MainNames(pickle.Pickler):
+    """Pickles into nothing, collecting what a new process would have to find in ``__main__``."""
+
+    def __init__(self) -> None:
+        super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.names: list[str] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        # Called for every object about to be pickled; a non-None answer stands in for it, so
+        # neither what we have noted nor bulk data is walked through (or copied).
+        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+            self.names.append(getattr(obj, "__qualname__", repr(obj)))
+            return "__main__"
+        if _is_bulk_data(obj):
+            return "data"
+        return None
+
+
+def _is_bulk_data(obj: Any) -> bool:
+    # Only libraries already imported can have made obj: nothing is imported here.
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
+    if type(obj).__module__ == "__main__":
+        return False
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return True
+    return numpy is not None and isinstance(obj, numpy.ndarray) and obj.dtype != object
+
+
+def _needs_main(fn: Callable[..., Any], args: tuple) -> str | None:
+    """Why a process that cannot re-create ``__main__`` cannot run ``fn(rank, *args)``; None if it can."""
+    pickler = _MainNames()
+    try:
+        pickler.dump((fn, args))
+    except Exception as exc:  # noqa: BLE001 - whatever stops pickle stops a spawned process too
+        return f"it cannot be pickled ({type(exc).__name__}: {exc})"
+    names = sorted(set(pickler.names))
+    if names:
+        return f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} defined in __main__"
+    return None
+
+
+def _choose_start_method(fn: Callable[..., Any], args: tuple, nprocs: int) -> str:
+    """``"spawn"``, or ``"fork"`` where a spawned process could not run ``fn(rank, *args)``.
+
+    Raises RuntimeError where it must fork and cannot.
+    """
+    main = _main_in_new_process()
+    if main == "file":
+        return "spawn"
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    example = name if name.isidentifier() else "work"  # a lambda's "<lambda>" cannot be imported
+    if main == "broken":
+        why = (f"this program was read from {getattr(sys.modules['__main__'], '__file__', '?')}, "
+               f"which a new process cannot read again")
+        move = "save the program in a file and run that (python train.py); its ranks then start as fresh processes"
+    else:
+        reason = _needs_main(fn, args)
+        if reason is None:
+            return "spawn"
+        why = f"{reason}, and this __main__ (a notebook, python -c, the REPL) has no file a new process could import"
+        move = (f"put {name} (and what it uses from the notebook) in a file, mywork.py, and import it; its "
+                f"ranks then start as fresh processes:\n        from mywork import {example}\n        "
+                f"dptrain.spawn({example}, {nprocs})")
+    if "fork" not in mp.get_all_start_methods():
+        raise RuntimeError(
+            f"dptrain.spawn cannot start {name}: {why}, and this platform ({sys.platform}) cannot fork the "
+            f"ranks from this process instead. Fix: {move}"
+        )
+    torch = sys.modules.get("torch")  # not imported here: a process without torch has no CUDA either
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError(
+            f"dptrain.spawn cannot start {name}: {why}, so its ranks must be forked from this process, "
+            f"but this process has already initialized CUDA, which a forked process cannot use. "
+            f"Fix it one of two ways:\n"
+            f"  - restart the kernel (or interpreter) and call dptrain.spawn before anything initializes CUDA "
+            f"(a tensor on the GPU: .cuda(), .to('cuda'); torch.cuda.set_device); each rank takes its own GPU "
+            f"in dptrain.init()\n"
+            f"  - {move}"
+        )
+    return "fork"
 
 
 def _watch_spawned(procs, conns, timeout) -> list[Any]:
