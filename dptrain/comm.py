@@ -5,7 +5,9 @@ Every function takes PyTorch's arguments in PyTorch's order and moves bytes with
 
 - With no process group (a single process, world size 1) each call does what it would do
   in a world of one -- ``all_reduce`` leaves the tensor as it is, ``all_gather`` copies it
-  into ``tensor_list[0]`` -- so single-process code runs unchanged.
+  into ``tensor_list[0]`` -- so single-process code runs unchanged. Under a launcher that
+  says the world is larger, a call without a process group raises ``RuntimeError`` naming
+  ``dptrain.init()`` instead of letting every rank go on alone.
 - ``op`` is a string (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``) or a
   ``torch.distributed.ReduceOp``. ``"avg"`` is computed as a sum and a division because
   gloo has no reliable AVG.
@@ -23,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from dptrain import _diagnostics, _exit  # noqa: F401 - _exit: a clean end for a rank that runs collectives
+from dptrain import _diagnostics, _exit, env  # noqa: F401 - _exit: a clean end for a rank that runs collectives
 from dptrain._errors import CollectiveError, CollectiveMismatchError
 
 __all__ = [
@@ -59,6 +61,19 @@ _OPS = {
 def is_distributed(group: Any = None) -> bool:
     """True when a process group with more than one rank is active."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _alone(name: str, group: Any) -> bool:
+    """True when collective ``name`` runs as in a world of one: locally, without communicating.
+
+    That is a process group of one rank, or none at all in a plain single process. With no
+    process group under a launcher that says the world is larger, it raises instead
+    (:func:`dptrain.env.check_joined`): each rank going on alone would split the job silently.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group) == 1
+    env.check_joined(f"dptrain.comm.{name}")
+    return True
 
 
 def _op(op: Any) -> tuple[dist.ReduceOp, bool]:
@@ -237,7 +252,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: b
         >>> comm.broadcast(t, src=0)   # every rank now holds [0., 1., 2.]
     """
     _check_tensor("broadcast", tensor)
-    if not is_distributed(group):
+    if _alone("broadcast", group):
         return None
     return _call("broadcast", lambda: dist.broadcast(tensor, src, group=group, async_op=async_op), [tensor], group)
 
@@ -277,7 +292,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = "sum", group: Any = None, async_o
     """
     _check_tensor("all_reduce", tensor)
     torch_op, divide = _op(op)
-    if not is_distributed(group):
+    if _alone("all_reduce", group):
         return None
     work = _call("all_reduce", lambda: dist.all_reduce(tensor, torch_op, group=group, async_op=async_op), [tensor], group)
     n = dist.get_world_size(group)
@@ -309,7 +324,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: Any = "sum", group: Any = Non
     """
     _check_tensor("reduce", tensor)
     torch_op, divide = _op(op)
-    if not is_distributed(group):
+    if _alone("reduce", group):
         return None
     work = _call("reduce", lambda: dist.reduce(tensor, dst, torch_op, group=group, async_op=async_op), [tensor], group)
     n = dist.get_world_size(group)
@@ -321,10 +336,10 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: Any = "sum", group: Any = Non
     return None
 
 
-def _check_root_list(name: str, role: str, root: int, list_name: str, tensors: Any, group: Any) -> int:
+def _check_root_list(name: str, role: str, root: int, list_name: str, tensors: Any, group: Any, alone: bool) -> int:
     """Check the per-rank list that only the root of scatter/gather passes; return this rank."""
-    n = dist.get_world_size(group) if is_distributed(group) else 1
-    me = dist.get_rank() if is_distributed(group) else 0
+    n = 1 if alone else dist.get_world_size(group)
+    me = 0 if alone else dist.get_rank()
     if me == root and (tensors is None or len(tensors) != n):
         got = "None" if tensors is None else f"{len(tensors)} tensors"
         raise ValueError(f"{name} on the {role} rank {root} needs {list_name} of {n} tensors, got {got}")
@@ -356,8 +371,9 @@ def scatter(
         >>> comm.scatter(out, parts if dptrain.rank() == 0 else None, src=0)
     """
     _check_tensor("scatter", tensor)
-    me = _check_root_list("scatter", "source", src, "scatter_list", scatter_list, group)
-    if not is_distributed(group):
+    alone = _alone("scatter", group)
+    me = _check_root_list("scatter", "source", src, "scatter_list", scatter_list, group, alone)
+    if alone:
         tensor.copy_(scatter_list[0])
         return None
     return _call(
@@ -392,8 +408,9 @@ def gather(
         >>> comm.gather(torch.ones(3), out, dst=0)
     """
     _check_tensor("gather", tensor)
-    me = _check_root_list("gather", "destination", dst, "gather_list", gather_list, group)
-    if not is_distributed(group):
+    alone = _alone("gather", group)
+    me = _check_root_list("gather", "destination", dst, "gather_list", gather_list, group, alone)
+    if alone:
         gather_list[0].copy_(tensor)
         return None
     return _call(
@@ -421,10 +438,11 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         >>> comm.all_gather(out, torch.full((2,), float(dptrain.rank())))
     """
     _check_tensor("all_gather", tensor)
-    n = dist.get_world_size(group) if is_distributed(group) else 1
+    alone = _alone("all_gather", group)
+    n = 1 if alone else dist.get_world_size(group)
     if len(tensor_list) != n:
         raise ValueError(f"all_gather needs tensor_list of {n} tensors (one per rank), got {len(tensor_list)}")
-    if not is_distributed(group):
+    if alone:
         tensor_list[0].copy_(tensor)
         return None
     return _call("all_gather", lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), [tensor], group)
@@ -439,7 +457,7 @@ def barrier(group: Any = None) -> None:
     Example:
         >>> comm.barrier()
     """
-    if not is_distributed(group):
+    if _alone("barrier", group):
         return None
     _call("barrier", lambda: dist.barrier(group=group), (), group)
     return None
@@ -458,7 +476,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
         >>> comm.all_gather_object({"rank": dptrain.rank()})
         [{'rank': 0}, {'rank': 1}]
     """
-    if not is_distributed(group):
+    if _alone("all_gather_object", group):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     _call("all_gather_object", lambda: dist.all_gather_object(out, obj, group=group), (), group)
@@ -485,7 +503,7 @@ def gather_object(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None
     Example:
         >>> states = comm.gather_object(get_rng_state(), dst=0)   # a list on rank 0, None elsewhere
     """
-    if not is_distributed(group):
+    if _alone("gather_object", group):
         return [obj]
     me = dist.get_rank()
     out: list[Any] | None = [None] * dist.get_world_size(group) if me == dst else None
@@ -506,7 +524,7 @@ def broadcast_object(obj: Any = None, src: int = 0, group: Any = None) -> Any:
     Example:
         >>> cfg = comm.broadcast_object(load_config() if dptrain.rank() == 0 else None)
     """
-    if not is_distributed(group):
+    if _alone("broadcast_object", group):
         return obj
     box = [obj if dist.get_rank() == src else None]
     _call("broadcast_object", lambda: dist.broadcast_object_list(box, src=src, group=group), (), group)
@@ -542,7 +560,7 @@ def all_gather_uneven(tensor: torch.Tensor, group: Any = None) -> list[torch.Ten
     _check_tensor("all_gather_uneven", tensor)
     if tensor.dim() == 0 or tensor.dim() > _MAX_DIMS:
         raise ValueError(f"all_gather_uneven needs a tensor of 1 to {_MAX_DIMS} dimensions, got shape {tuple(tensor.shape)}")
-    if not is_distributed(group):
+    if _alone("all_gather_uneven", group):
         return [tensor.clone()]
     n = dist.get_world_size(group)
     shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=tensor.device)

@@ -363,6 +363,45 @@ def timeout() -> datetime.timedelta:
     return _STATE.timeout
 
 
+# Where each launch environment's world size comes from, for the message of check_joined.
+_WORLD_SOURCE = {"torchrun": "WORLD_SIZE={n} from dptrain run / torchrun", "slurm": "SLURM_NTASKS={n} from srun"}
+
+
+def check_joined(what: str, alternative: str = "") -> None:
+    """Refuse to act as a world of one where the launcher says the world is larger.
+
+    Whatever shards or communicates (DDP, FSDP, ZeRO, the sampler, the loader, evaluation,
+    the collectives) calls this when it finds no process group. A plain ``python script.py``
+    passes: it is a world of one and works without :func:`init`. Under ``dptrain run``,
+    ``torchrun`` or ``srun`` a forgotten ``dptrain.init()`` would leave every rank training
+    alone, each on its shard, to different weights and a clean exit; this raises instead, as
+    PyTorch's DDP does ("Default process group has not been initialized").
+
+    Args:
+        what: the public name that needs the process group, for the message.
+        alternative: another fix the caller offers, appended to the message. Default none.
+
+    Raises:
+        RuntimeError: the environment describes more than one process and none has joined
+            a process group; the message names this rank, the variable and the fix.
+        ValueError: a launcher variable is malformed (see :func:`world_from_environ`).
+
+    Example:
+        >>> check_joined("dptrain.DistributedDataParallel")   # no launcher: returns
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    world = get_world()
+    if not world.is_distributed:
+        return
+    source = _WORLD_SOURCE.get(world.source, "world size {n}").format(n=world.world_size)
+    raise RuntimeError(
+        f"{what}: the environment says this is rank {world.rank} of {world.world_size} ({source}) but no process "
+        f"group is initialized; call dptrain.init() at the start of the script, before building DDP, FSDP, "
+        f"the sampler or the loader{' ' + alternative if alternative else ''}"
+    )
+
+
 _WARNED: set[str] = set()
 
 

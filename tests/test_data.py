@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import itertools
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -529,3 +530,67 @@ def test_resume_into_the_same_loader_with_persistent_workers():
     assert head + _drain(loader) == list(_torch_sampler(40, 2, 1, True, 3, False, 1))
     loader.set_epoch(2)
     assert _drain(loader) == list(_torch_sampler(40, 2, 1, True, 3, False, 2))
+
+
+# ---- a new pass without set_epoch (issue 30) -------------------------------------------------
+
+
+@pytest.fixture
+def warn_afresh(monkeypatch):
+    monkeypatch.setattr(dptrain.env, "_WARNED", set())  # the warn-once memory of this process
+
+
+def _repeat_warnings(record):
+    return [str(w.message) for w in record if "set_epoch" in str(w.message)]
+
+
+def test_a_second_shuffled_pass_without_set_epoch_warns_once(warn_afresh):
+    s = DistributedSampler(Indexed(10), num_replicas=2, rank=0)
+    first = list(s)
+    with pytest.warns(UserWarning) as record:
+        assert list(s) == first  # PyTorch's sampler repeats its order silently too
+    assert _repeat_warnings(record) == [
+        "DistributedSampler: a new pass over the data starts in epoch 0 again, so it repeats the previous pass's "
+        "shuffled order; call sampler.set_epoch(epoch) (or loader.set_epoch(epoch)) at the start of each epoch: "
+        "for epoch in range(epochs): sampler.set_epoch(epoch); for batch in loader: ..."
+    ]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        list(s)  # once per sampler
+    assert _repeat_warnings(record) == []
+    loader = prepare_dataloader(Indexed(10), 2, num_replicas=2, rank=1)
+    loader.set_epoch(3)
+    _drain(loader)
+    with pytest.warns(UserWarning, match=r"starts in epoch 3 again.*loader\.set_epoch\(epoch\)"):
+        _drain(loader)
+
+
+def test_no_repeat_warning_where_a_pass_repeats_nothing_or_is_meant(warn_afresh):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        # a look at the first batch, then the usual loop over epochs, with persistent workers
+        loader = prepare_dataloader(Indexed(12), 2, num_workers=2, persistent_workers=True, num_replicas=2, rank=0)
+        next(iter(loader))
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            assert len(loader) == 3 and len(loader.sampler) == 6
+            _drain(loader)
+        # a pass that was started but never drawn from
+        s = _ours(10, 2, 0)
+        iter(s)
+        list(s)
+        # resumed mid-epoch, into the same sampler and into a fresh one (no set_epoch either time)
+        s = _ours(30, 2, 0, epoch=2)
+        _take(s, 4)
+        state = s.state_dict()
+        s.load_state_dict(state)
+        list(s)
+        fresh = DistributedSampler(Indexed(30), num_replicas=2, rank=0)
+        fresh.load_state_dict(state)
+        list(fresh)
+        # the order does not matter: no shuffle, or the exact evaluation partition
+        for loader in (prepare_dataloader(Indexed(10), 2, shuffle=False, num_replicas=2, rank=0),
+                       prepare_dataloader(Indexed(10), 2, mode="eval", num_replicas=2, rank=1)):
+            _drain(loader)
+            _drain(loader)
+    assert _repeat_warnings(record) == []

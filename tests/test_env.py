@@ -1,6 +1,8 @@
 """Who am I: parsing launcher variables, and init() from torchrun's, Slurm's or no environment."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -211,3 +213,86 @@ def test_plain_python_under_slurm_names_the_missing_ranks_and_srun():
     assert "start every task with srun" in reports[0]
     assert out.returncode != 0
     assert "RuntimeError: dptrain.init failed" in out.stderr and "(missing: 1, 2, 3)" in out.stderr.splitlines()[-1]
+
+
+# ---- a forgotten dptrain.init() under a launcher (issue 30) --------------------------------
+
+# One process, three worlds in turn, each set in os.environ as its launcher would: a world of
+# one (everything works without init), `dptrain run` / torchrun's rank 1 of 2, Slurm's rank 3
+# of 4. Prints, for every part that shards or communicates, "ok" or the error it raised.
+_FORGOT_INIT_CHILD = r"""
+import json, os, pickle, torch, dptrain
+from dptrain import comm
+
+def attempt(fn):
+    try:
+        fn()
+        return "ok"
+    except RuntimeError as exc:
+        return str(exc)
+
+data = list(range(10))
+tried = {
+    "dptrain.DistributedDataParallel": lambda: dptrain.DDP(torch.nn.Linear(2, 2)),
+    "dptrain.FullyShardedDataParallel": lambda: dptrain.FSDP(torch.nn.Linear(2, 2)),
+    "dptrain.ZeroRedundancyOptimizer": lambda: dptrain.ZeroRedundancyOptimizer(
+        torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1),
+    "dptrain.DistributedSampler": lambda: dptrain.DistributedSampler(data),
+    "dptrain.prepare_dataloader": lambda: dptrain.prepare_dataloader(data, batch_size=2),
+    "dptrain.gather_results": lambda: dptrain.gather_results(torch.zeros(2), [0, 1]),
+    "dptrain.main_process_first": lambda: dptrain.main_process_first().__enter__(),
+    "dptrain.comm.all_reduce": lambda: comm.all_reduce(torch.zeros(1)),
+    "dptrain.comm.barrier": lambda: comm.barrier(),
+}
+os.environ.update(RANK="0", WORLD_SIZE="1")
+alone = {name: attempt(fn) for name, fn in tried.items()}
+pickled = pickle.dumps(dptrain.DDP(torch.nn.Linear(2, 2)))
+
+os.environ.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+torchrun = {name: attempt(fn) for name, fn in tried.items()}
+torchrun["explicit sampler"] = attempt(lambda: list(dptrain.DistributedSampler(data, num_replicas=2, rank=1)))
+torchrun["unpickled DDP"] = attempt(lambda: pickle.loads(pickled))
+
+for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+    del os.environ[name]
+os.environ.update(SLURM_NTASKS="4", SLURM_PROCID="3", SLURM_LOCALID="3", SLURM_JOB_NODELIST="localhost",
+                  SLURM_JOB_ID="42")
+slurm = {"dptrain.comm.broadcast": attempt(lambda: comm.broadcast(torch.zeros(1)))}
+print(json.dumps([alone, torchrun, slurm]))
+"""
+
+
+def test_a_forgotten_init_under_a_launcher_is_refused_naming_dptrain_init():
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM_", "TORCHELASTIC_", "GROUP_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_vars)}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    out = subprocess.run([sys.executable, "-c", _FORGOT_INIT_CHILD], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    alone, torchrun, slurm = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(alone.values()) == {"ok"}, alone  # a world of one needs no init, as before
+    fix = ("but no process group is initialized; call dptrain.init() at the start of the script, before building "
+           "DDP, FSDP, the sampler or the loader")
+    for name in alone:
+        assert torchrun[name].startswith(f"{name}: the environment says this is rank 1 of 2 (WORLD_SIZE=2 from "
+                                         f"dptrain run / torchrun) {fix}"), torchrun[name]
+    assert torchrun["dptrain.DistributedSampler"].endswith("(or pass num_replicas= and rank= explicitly)")
+    assert torchrun["explicit sampler"] == "ok"  # as in PyTorch: given rank and world, no group is needed
+    assert torchrun["unpickled DDP"].startswith("dptrain.DistributedDataParallel: the environment says this is rank 1")
+    assert slurm["dptrain.comm.broadcast"] == (
+        f"dptrain.comm.broadcast: the environment says this is rank 3 of 4 (SLURM_NTASKS=4 from srun) {fix}")
+
+
+def test_dptrain_run_of_a_script_without_init_fails_naming_dptrain_init():
+    # Issue 30: this job used to exit 0, its two ranks holding different weights.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2",
+                          os.path.join(root, "tests", "scripts", "forgot_init.py")],
+                         capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "weight sum" not in out.stdout
+    # whichever rank fails first is reported; the launcher may stop the other before it prints
+    assert re.search(r"RuntimeError: dptrain\.DistributedDataParallel: the environment says this is rank [01] of 2 "
+                     r"\(WORLD_SIZE=2 from dptrain run / torchrun\) but no process group is initialized; "
+                     r"call dptrain\.init\(\)", out.stderr), out.stderr

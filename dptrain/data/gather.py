@@ -111,6 +111,8 @@ def gather_results(
             disagree on the trailing shape or dtype, every rank passed an empty list (no
             shape to give the result), ``dst`` is not a rank, or the indices do not cover
             ``num_samples`` exactly.
+        RuntimeError: the launcher says the world is larger but ``dptrain.init()`` was not
+            called (each rank would return only its own results).
         CollectiveError: a peer failed or timed out.
 
     Example:
@@ -119,6 +121,8 @@ def gather_results(
         >>> all_scores = dptrain.gather_results(scores, loader.sampler.indices())
         >>> auc = roc_auc_score(labels, all_scores)   # the single-process value exactly
     """
+    if not comm.is_distributed():
+        env.check_joined("dptrain.gather_results")
     world = env.get_world()
     me, size = (world.rank, world.world_size) if comm.is_distributed() else (0, 1)
     if dst is not None and not 0 <= dst < size:

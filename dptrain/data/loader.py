@@ -163,6 +163,8 @@ def prepare_dataloader(
             sampler's errors (``rank`` outside the world). An empty dataset, or fewer
             samples than ranks, is no error: the ranks without samples get an empty loader
             (``len(loader) == 0``), as with PyTorch's sampler.
+        RuntimeError: the launcher says the world is larger but no process group exists
+            (``dptrain.init()`` not called) and ``num_replicas``/``rank`` are not given.
 
     Example:
         >>> loader = dptrain.prepare_dataloader(train_set, batch_size=64, num_workers=2)
@@ -184,6 +186,8 @@ def prepare_dataloader(
         raise ValueError("persistent_workers=True needs num_workers > 0; set num_workers or drop persistent_workers")
     num_replicas = kw.pop("num_replicas", None)
     rank = kw.pop("rank", None)
+    if num_replicas is None or rank is None:
+        env.check_joined("dptrain.prepare_dataloader", "(or pass num_replicas= and rank= explicitly)")
     if mode == "eval":
         if drop_last:
             raise ValueError(
@@ -214,8 +218,8 @@ def main_process_first(local: bool = False):
     """Run the body on rank 0 first (downloads, caches), then on every other rank.
 
     Rank 0 (with ``local=True``: local rank 0 of every node) runs the body while the others
-    wait; then the others run it, and find the files ready. Without a process group the body
-    just runs.
+    wait; then the others run it, and find the files ready. In a single process without a
+    process group the body just runs.
 
     If the body raises on a leading rank, that rank tells the waiting ranks and re-raises
     its error; each waiting rank then raises ``RuntimeError`` naming the failed rank instead
@@ -229,13 +233,16 @@ def main_process_first(local: bool = False):
             rank 0 (a shared filesystem). Default False.
 
     Raises:
-        RuntimeError: on a waiting rank, when the body failed on a leading rank.
+        RuntimeError: on a waiting rank, when the body failed on a leading rank; on every
+            rank, when the launcher says the world is larger but ``dptrain.init()`` was not
+            called (the ranks would all run the body at once).
 
     Example:
         >>> with dptrain.main_process_first():
         ...     train_set = torchvision.datasets.CIFAR10("data", download=True)
     """
     if not comm.is_distributed():
+        env.check_joined("dptrain.main_process_first")
         yield
         return
     world = env.get_world()

@@ -94,6 +94,9 @@ def _default_world() -> tuple[int, int]:
     # world a torch script expects the sampler to see.
     if not env.is_initialized() and dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
+    # Sharding by the launcher's RANK and WORLD_SIZE while DDP, finding no process group,
+    # trains each rank alone would end the ranks with different weights: refuse instead.
+    env.check_joined("dptrain.DistributedSampler", "(or pass num_replicas= and rank= explicitly)")
     world = env.get_world()
     return world.world_size, world.rank
 
@@ -178,7 +181,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     Args:
         dataset: a map-style dataset (anything with ``len()``), of constant size.
         num_replicas: number of ranks sharing the dataset. Default: the current world size
-            (``dptrain.world_size()``; 1 when there is no process group).
+            (``dptrain.world_size()``; 1 in a single process without a process group).
+            Under a launcher the defaults need the process group of ``dptrain.init()``;
+            given explicitly, ``num_replicas`` and ``rank`` need none (as in PyTorch).
         rank: this rank, ``0 <= rank < num_replicas``; any integer type (a numpy integer,
             a one-element integer tensor) is accepted. Default: ``dptrain.rank()``.
         shuffle: shuffle the order each epoch (seeded by ``seed + epoch``). Default True.
@@ -197,6 +202,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     Raises:
         ValueError: ``num_replicas < 1``; ``rank`` outside ``[0, num_replicas)``;
             ``pad=False`` together with ``drop_last=True``.
+        RuntimeError: ``num_replicas`` or ``rank`` left to its default while the launcher
+            says the world is larger and no process group exists (``dptrain.init()`` not
+            called): every rank would shard while training alone.
         TypeError: ``num_replicas`` or ``rank`` is not an integer (a float, a string, a
             bool); the dataset has no ``len()``.
 
@@ -268,6 +276,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self._current: list[int] | None = None  # what the running iteration yields
         self._iteration = 0  # numbers iterations; a replaced one no longer counts its yields
         self._order_cache: tuple[Any, list[int]] | None = None
+        self._epoch_set = False  # set_epoch was called since the last pass started
+        self._warned_repeat = False  # the repeated-order warning was given (once per sampler)
 
     # ---- the order --------------------------------------------------------------------
 
@@ -291,7 +301,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             self._resume_pending = False
             skip = self._consumed
         else:
+            self._warn_if_repeated()
             self._history, self._consumed, skip = [], 0, 0
+        self._epoch_set = False
         if not self._history and skip == 0:
             order = _arrange(_base_order(len(self.dataset), self.seed, self.epoch, self.shuffle),
                              self.num_replicas, self.drop_last, self.pad)
@@ -299,6 +311,27 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             order = self._segment_order(self._history, self.num_replicas)
         self._current = order[self.rank + skip * self.num_replicas :: self.num_replicas]
         return self._current
+
+    def _warn_if_repeated(self) -> None:
+        """Warn once, from rank 0, when a fresh pass would repeat the last pass's shuffled order.
+
+        That is a pass of this epoch that handed out samples (what ``_consumed`` or a resume
+        chain still records: set_epoch with another epoch and every fresh pass reset them),
+        and no set_epoch call since. Any set_epoch call counts as the loop keeping its epochs
+        (the Trainer's, or one after a look at the first batch), so only a forgotten one warns.
+        Without shuffling, or in the exact-evaluation partition (``pad=False``), the order does
+        not matter.
+        """
+        if self._warned_repeat or self._epoch_set or not (self.shuffle and self.pad):
+            return
+        if self._consumed == 0 and not self._history:
+            return
+        self._warned_repeat = True
+        env._warn_once_main(
+            f"DistributedSampler: a new pass over the data starts in epoch {self.epoch} again, so it repeats the "
+            f"previous pass's shuffled order; call sampler.set_epoch(epoch) (or loader.set_epoch(epoch)) at the "
+            f"start of each epoch: for epoch in range(epochs): sampler.set_epoch(epoch); for batch in loader: ..."
+        )
 
     def __iter__(self) -> Iterator[int]:
         indices = self._prepared if self._prepared is not None else self._start_iteration()
@@ -342,6 +375,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         Call it before each epoch, as with PyTorch's sampler. Setting a different epoch
         discards a position restored by :meth:`load_state_dict`; setting the restored
         epoch again keeps it, so ``load_state_dict(s); set_epoch(s["epoch"])`` resumes.
+        A shuffling sampler that starts another pass of an epoch without a ``set_epoch``
+        call since its last pass handed out samples warns once (from rank 0): forgotten,
+        every epoch would see the same order.
 
         Args:
             epoch: the epoch number.
@@ -353,6 +389,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             self._prepared = None
             self._current = None
         self.epoch = epoch
+        self._epoch_set = True
 
     def indices(self) -> list[int]:
         """The dataset indices the current (or next) iteration yields on this rank, in order.

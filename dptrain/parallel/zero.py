@@ -79,6 +79,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         TypeError: ``params`` is not an iterable of tensors or dicts, or
             ``optimizer_class`` is not an Optimizer subclass.
         ValueError: ``params`` is empty or mixes dense types; ``overlap_with_ddp=True``.
+        RuntimeError: no process group while the launcher says the world is larger
+            (``dptrain.init()`` not called under ``dptrain run``, ``torchrun`` or ``srun``).
 
     Example:
         >>> model = dptrain.DDP(net)
@@ -116,6 +118,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Optimizer.__init__(self, params, defaults)
         Joinable.__init__(self)
         distributed = dist.is_available() and dist.is_initialized()
+        if not distributed:
+            env.check_joined("dptrain.ZeroRedundancyOptimizer")
         if process_group is None and distributed:
             process_group = dist.group.WORLD
         self.process_group = process_group

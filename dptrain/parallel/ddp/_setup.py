@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _get_device_index
 
+from dptrain import env
 from dptrain.comm import BROADCAST_BUCKET_BYTES, broadcast_coalesced  # noqa: F401 - DDP's broadcasts, as setup.*
 from dptrain._tensors import map_tensors
 from dptrain.parallel import _verify
@@ -50,6 +51,10 @@ def resolve_group(process_group: Any, device_mesh: Any) -> Any:
     """The group DDP reduces over: PyTorch's rules for ``process_group`` and ``device_mesh``.
 
     Returns None when torch.distributed is not initialized (a world of one).
+
+    Raises:
+        RuntimeError: no process group, but the launcher says the world is larger
+            (``dptrain.init()`` forgotten; see :func:`dptrain.env.check_joined`).
     """
     if process_group is not None and device_mesh is not None:
         raise DDPSetupError(
@@ -71,6 +76,8 @@ def resolve_group(process_group: Any, device_mesh: Any) -> Any:
         return device_mesh.get_group(mesh_dim=0)
     if process_group is None and dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
+    if process_group is None:
+        env.check_joined("dptrain.DistributedDataParallel")
     return process_group
 
 

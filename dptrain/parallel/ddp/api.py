@@ -25,7 +25,9 @@ reducer and build a fresh reducer when loaded, on the default group (PyTorch's r
 on another group refuses to pickle). No collective runs then, so one rank alone may copy
 its model (an EMA or a frozen teacher); a copy that trains reduces over the same group, so
 every rank must train it. Unlike PyTorch, a registered communication hook is registered on
-the copy too. Without an initialized process group the loaded module is a plain wrapper.
+the copy too. Without an initialized process group the loaded module is a plain wrapper in a
+single process; under a launcher that says the world is larger, loading it raises until
+``dptrain.init()`` has run (as PyTorch's DDP does).
 """
 
 from __future__ import annotations
@@ -53,12 +55,12 @@ from dptrain.parallel.ddp._optim_in_backward import adopt_optimizers_in_backward
 from dptrain.parallel.ddp._overlap import OptimizerOverlap
 from dptrain.parallel.ddp._reducer import Reducer, bucket_size_limits
 from dptrain.parallel.ddp._setup import DDPSetupError
-from dptrain.parallel.ddp._signature import bind_arguments, check_bucket_cap_mb, installed_signature, torch_has
+from dptrain.parallel.ddp._signature import bind_arguments, check_bucket_cap_mb, installed_signature, torch_ddp, torch_has
 from dptrain.parallel.ddp._sink import attach_sink
 
 __all__ = ["DistributedDataParallel", "DDP", "DDPSetupError"]
 
-_TorchDDP = nn.parallel.DistributedDataParallel
+_TorchDDP = torch_ddp()  # torch's class, also where its names were rebound to ours
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -128,7 +130,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         shm: keyword only, not in PyTorch's DDP: all-reduce the gradients through shared
             memory. None (default): when every rank of the group is on this node and the module
             is on the CPU, unless ``DPTRAIN_SHM=0`` (across nodes: one segment per node, see
-            ``DPTRAIN_SHM_NODES`` in the README); False: never (gloo); True: always,
+            ``DPTRAIN_SHM_NODES`` in docs/multinode.md); False: never (gloo); True: always,
             raising ValueError where it cannot. The same numbers as gloo (bitwise on two
             ranks; in rank order on more). A copy (``copy.deepcopy``, unpickling) reduces
             through gloo: making one needs no collective.
@@ -165,6 +167,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         NotImplementedError: ``device_mesh`` sliced out of a larger mesh (DDP with tensor
             parallelism), ``mixed_precision`` without a process group, or an argument of a
             torch newer than dptrain.
+        RuntimeError: no process group while the launcher says the world is larger
+            (``dptrain.init()`` not called under ``dptrain run``, ``torchrun`` or ``srun``).
 
     Example:
         >>> dptrain.init()
@@ -521,7 +525,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __setstate__(self, state: dict) -> None:
         comm_hook = state.pop("_comm_hook", None)
         super().__setstate__(state)
-        self.process_group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        self.process_group = setup.resolve_group(None, None)  # refuses a forgotten init under a launcher
         self._distributed = self.process_group is not None
         self._rank = dist.get_rank(self.process_group) if self._distributed else 0
         self.reducer = None

@@ -96,6 +96,8 @@ class FullyShardedDataParallel(nn.Module):
             (raised on every rank, naming the parameter); an optimizer built before wrapping
             (at its first ``step()``); ``shm=True`` where shared memory cannot be used.
         TypeError: ``module`` is not a module; ``shm`` is not None, True or False.
+        RuntimeError: no process group while the launcher says the world is larger
+            (``dptrain.init()`` not called under ``dptrain run``, ``torchrun`` or ``srun``).
 
     Example:
         >>> model = FSDP(TinyTransformer(), auto_wrap_policy=ModuleTypePolicy({TransformerBlock}))
@@ -135,6 +137,8 @@ class FullyShardedDataParallel(nn.Module):
         self.process_group = process_group
         self._is_root = True
         distributed = dist.is_available() and dist.is_initialized()
+        if not distributed:
+            env.check_joined("dptrain.FullyShardedDataParallel")
         self._world = dist.get_world_size(process_group) if distributed else 1
         self._rank = dist.get_rank(process_group) if distributed else 0
         self.compute_device = self._place(module, device_id, distributed)
