@@ -119,12 +119,15 @@ def before_collective(name: str, tensors: Sequence[torch.Tensor], group: Any) ->
         )
 
 
-def _who_is_missing(world_size: int) -> str:
+def _heartbeats(world_size: int) -> dict[int, dict]:
+    """Every rank's last heartbeat that the store holds (none without a store)."""
+    return read_per_rank(_JOB.store, "hb", world_size) if _JOB.store is not None else {}
+
+
+def _who_is_missing(world_size: int, beats: dict[int, dict]) -> str:
     """From the heartbeats: which ranks are not in the collective this rank waits in."""
-    store = _JOB.store
-    if store is None:
+    if _JOB.store is None:
         return ""
-    beats = read_per_rank(store, "hb", world_size)
     mine = _heartbeat.progress()["seq"]
     now = time.time()
     lines = []
@@ -144,8 +147,18 @@ def _who_is_missing(world_size: int) -> str:
 EXIT_WAIT_S = 5.0
 
 
-def _peers_gone(world_size: int) -> dict[int, str]:
-    """Peers that have left the job, in words: "exited with code 0 3s ago".
+class _Gone:
+    """A peer that has left the job: how, when, and the DDP steps it had done."""
+
+    def __init__(self, how: str, ago: str, clean: bool, ddp_steps: int | None) -> None:
+        self.how = how  # "exited with code 0", "shut down"
+        self.said = f"{how} {ago}"  # "exited with code 0 3s ago"
+        self.clean = clean  # exit code 0, or shut down: it ended its script, it did not crash
+        self.ddp_steps = ddp_steps  # from its left/<rank> note; None without one
+
+
+def _peers_gone(world_size: int) -> dict[int, _Gone]:
+    """Peers that have left the job: "exited with code 0 3s ago", and what they had done.
 
     A collective fails the moment a peer's connections close; the peer wrote ``left/<rank>``
     just before (:func:`reset`), and its launcher, if it publishes exits, writes the exit
@@ -173,10 +186,33 @@ def _peers_gone(world_size: int) -> dict[int, str]:
     except Exception:  # noqa: BLE001 - best effort: used only to explain a failure
         return {}
     now = time.time()
-    gone = {r: f"{_heartbeat.describe_exit(e['code'])} {max(0.0, now - e['t']):.0f}s ago" for r, e in exits.items()}
+    gone = {}
+    for r, e in exits.items():
+        ago = f"{max(0.0, now - e['t']):.0f}s ago"
+        gone[r] = _Gone(_heartbeat.describe_exit(e["code"]), ago, e["code"] == 0, left.get(r, {}).get("ddp_steps"))
     for r, e in left.items():
-        gone.setdefault(r, f"shut down {max(0.0, now - e['t']):.0f}s ago (it returned or called dptrain.shutdown())")
+        if r not in gone:
+            ago = f"{max(0.0, now - e['t']):.0f}s ago (it returned or called dptrain.shutdown())"
+            gone[r] = _Gone("shut down", ago, True, e.get("ddp_steps"))
     return gone
+
+
+def _unequal_steps(name: str, world_size: int, beats: dict[int, dict], gone: dict[int, _Gone]) -> str:
+    """Whether this rank waits in a DDP step that peers never entered (see [Note: unequal batches])."""
+    mine = _heartbeat.progress()
+    states = {dist.get_rank(): {"op": name, "ddp_steps": mine["ddp_steps"], "gone": ""}}
+    for r in range(world_size):
+        if r in states:
+            continue
+        if r in gone:
+            g = gone[r]
+            steps = g.ddp_steps if g.ddp_steps is not None else beats.get(r, {}).get("ddp_steps")
+            if not g.clean or steps is None:
+                continue  # it crashed (its own error is the cause), or nothing says what it had done
+            states[r] = {"op": "", "ddp_steps": steps, "gone": g.how}
+        elif r in beats:
+            states[r] = {"op": beats[r]["op"], "ddp_steps": beats[r]["ddp_steps"], "gone": ""}
+    return _heartbeat.unequal_steps(states, _JOB.timeout.total_seconds())
 
 
 def explain_failure(name: str, exc: BaseException, group: Any = None) -> BaseException:
@@ -184,7 +220,9 @@ def explain_failure(name: str, exc: BaseException, group: Any = None) -> BaseExc
 
     When a peer has already left, that is the reason given: "rank 1: all_reduce #7 failed:
     rank 0 exited with code 0 3s ago (...)" where the launcher publishes exits
-    (``dptrain run``), else "rank 0 shut down 3s ago".
+    (``dptrain run``), else "rank 0 shut down 3s ago". When this rank waits in a DDP step
+    that a peer never entered, the message says that the ranks had unequal numbers of
+    batches, and how to fix it (see [Note: unequal batches]).
     """
     if isinstance(exc, (CollectiveMismatchError, CollectiveError, ValueError, TypeError)):
         leave()
@@ -195,17 +233,18 @@ def explain_failure(name: str, exc: BaseException, group: Any = None) -> BaseExc
     cause = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
     _heartbeat.mark_failed()
     gone = _peers_gone(world) if world > 1 else {}
-    missing = _who_is_missing(world) if group is None and not gone else ""
+    beats = _heartbeats(world) if world > 1 and group is None else {}
+    missing = _who_is_missing(world, beats) if group is None and not gone else ""
+    # The heartbeats describe the whole world, so only a collective of the world is compared.
+    unequal = _unequal_steps(name, world, beats, gone) if world > 1 and group is None else ""
+    seq = _heartbeat.progress()["seq"]
     leave()
     if gone:
-        said = "; ".join(f"rank {r} {what}" for r, what in sorted(gone.items()))
-        return CollectiveError(
-            f"rank {me}: {name} #{_heartbeat.progress()['seq']} failed: {said} ({cause}). Every rank must make the same "
-            f"collective calls to the end: a rank that returns or exits early leaves the others without a partner"
-        )
+        said = "; ".join(f"rank {r} {g.said}" for r, g in sorted(gone.items()))
+        advice = unequal or ("Every rank must make the same collective calls to the end: a rank that returns or "
+                             "exits early leaves the others without a partner")
+        return CollectiveError(f"rank {me}: {name} #{seq} failed: {said} ({cause}). {advice}")
     detail = f" {missing}." if missing else ""
-    return CollectiveError(
-        f"rank {me}: {name} #{_heartbeat.progress()['seq']} failed ({cause}).{detail} "
-        f"A peer rank exited, stalled for more than the {timeout:.0f}s timeout, or called a different "
-        f"collective (rerun with DPTRAIN_DEBUG=1 to compare collectives across ranks)"
-    )
+    advice = unequal or (f"A peer rank exited, stalled for more than the {timeout:.0f}s timeout, or called a "
+                         f"different collective (rerun with DPTRAIN_DEBUG=1 to compare collectives across ranks)")
+    return CollectiveError(f"rank {me}: {name} #{seq} failed ({cause}).{detail} {advice}")

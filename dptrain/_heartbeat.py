@@ -8,8 +8,10 @@ Everything of one launch attempt lives under ``dptrain/attempt<k>/`` (a restarte
 reads a stale key of the attempt before), split in two: ``pg/`` for the process group's own
 rendezvous, ``dp/`` for dptrain's keys, which are
 
-* ``hb/<rank>``      a rank's heartbeat: collectives entered so far, the one it is in, steps;
-* ``left/<rank>``    written by a rank as it shuts down (and whether a collective of its own had failed);
+* ``hb/<rank>``      a rank's heartbeat: collectives entered so far, the one it is in, steps
+                     (the Trainer's, and DDP's synced backward passes);
+* ``left/<rank>``    written by a rank as it shuts down (whether a collective of its own had
+                     failed, and its DDP steps);
 * ``exit/<rank>``    written by ``dptrain run`` when a rank's process exits: code and time;
 * ``exit/published`` set by ``dptrain run``: exits will be published (so a rank may wait for one);
 * ``joined``, ``ready``  the ranks that reached ``init`` / finished it (see ``_join``);
@@ -43,6 +45,7 @@ __all__ = [
     "read_per_rank",
     "where",
     "describe_exit",
+    "unequal_steps",
 ]
 
 #: Seconds a collective may wait before the job is failed, when neither ``init(timeout=)``
@@ -74,14 +77,23 @@ def key(kind: str, rank: int) -> str:
 
 
 # -- this rank's progress, as its heartbeat publishes it ------------------------------------
-# Collectives entered so far, the one it is in ("" when outside), progress ticks (training
-# steps), and whether a collective of its own failed.
-_progress: dict[str, Any] = {"seq": 0, "op": "", "ticks": 0, "failed": False}
+# Collectives entered so far, the one it is in ("" when outside), progress ticks (the
+# Trainer's steps), DDP's synced backward passes, and whether a collective of its own failed.
+_progress: dict[str, Any] = {"seq": 0, "op": "", "ticks": 0, "ddp_steps": 0, "failed": False}
 
 
 def tick() -> None:
     """Record one unit of progress (a training step); the launcher watches these."""
     _progress["ticks"] += 1
+
+
+def note_ddp_step(num_steps: int) -> None:
+    """DDP finished its ``num_steps``-th synced backward: the count a plain loop's stall report shows.
+
+    Set, not added: with two DDP models (a GAN's) every rank reports the step both are at,
+    not their sum, and the counts of two ranks compare the same way.
+    """
+    _progress["ddp_steps"] = num_steps
 
 
 def enter(name: str) -> None:
@@ -104,7 +116,7 @@ def progress() -> dict[str, Any]:
 
 
 def reset_progress() -> None:
-    _progress.update(seq=0, op="", ticks=0, failed=False)
+    _progress.update(seq=0, op="", ticks=0, ddp_steps=0, failed=False)
 
 
 def _loop(store: Any, rank: int, interval: float, stop_event: threading.Event) -> None:
@@ -153,7 +165,10 @@ def stop() -> None:
 def note_leaving(store: Any, rank: int) -> None:
     """Write ``left/<rank>`` before this rank's connections close (best effort)."""
     try:
-        store.set(key("left", rank), json.dumps({"t": time.time(), "after_failure": _progress["failed"]}))
+        # Its DDP steps too: the last heartbeat may be an interval old, and a peer that waits in
+        # a later step reads them to tell that the ranks had unequal numbers of batches.
+        entry = {"t": time.time(), "after_failure": _progress["failed"], "ddp_steps": _progress["ddp_steps"]}
+        store.set(key("left", rank), json.dumps(entry))
     except Exception:  # noqa: BLE001 - the store is gone: nobody is left to tell
         pass
 
@@ -173,9 +188,107 @@ def read_per_rank(store: Any, kind: str, world_size: int) -> dict[int, dict]:
 
 # -- the words ----------------------------------------------------------------------------
 def where(beat: dict) -> str:
-    """A heartbeat in words: ``waiting in all_reduce #7, 3 steps`` / ``outside any collective after #7, 3 steps``."""
+    """A heartbeat in words: ``waiting in all_reduce #7, 3 steps`` / ``outside any collective after #7, 3 steps``.
+
+    The steps are the Trainer's; a plain loop has none, and DDP's synced backward passes
+    stand in for them: ``outside any collective after #14, 9 DDP steps``.
+    """
     place = f"waiting in {beat['op']} #{beat['seq']}" if beat["op"] else f"outside any collective after #{beat['seq']}"
+    if beat["ddp_steps"] and not beat["ticks"]:
+        return f"{place}, {_count(beat['ddp_steps'], 'DDP step')}"
     return f"{place}, {beat['ticks']} steps"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+# [Note: unequal batches]
+# The commonest hang of a hand-written loop: rank 0 got 10 batches and rank 1 got 9. Rank 1
+# leaves the loop after step 9 while rank 0 waits in step 10's gradient all-reduce until the
+# timeout. The heartbeats show it: a rank waiting in one of DDP's per-step collectives is in
+# step ``ddp_steps + 1``; a rank that has done fewer steps and is in none of them has left
+# the loop -- for certain when it ended (exited, shut down) or waits in another collective
+# (a barrier after the loop), and perhaps when it is outside any collective: it may also be
+# stuck inside step 10 (a slow data loader, a hung op), so that message names both. Where
+# no rank waits in a DDP step, or none has done fewer steps, nothing is said.
+
+#: DDP's collectives inside a training step, by the start of the name its wait carries
+#: (``dptrain.parallel.ddp``: the reducer's waits, the forward's buffer broadcast), and what
+#: a message calls them. A joined rank's shadow all-reduce ("... of a joined rank") is not one.
+_DDP_STEP_OPS = {
+    "DDP gradient all-reduce (bucket": "gradient all-reduce",
+    "DDP used-parameter all-reduce": "used-parameter all-reduce",
+    "DDP buffer broadcast (forward)": "buffer broadcast",
+}
+
+#: How to give every rank the same number of batches.
+EQUAL_BATCHES_FIX = ("Give every rank the same number of batches: shard the data with dptrain.DistributedSampler "
+                     "(or dptrain.prepare_dataloader), or wrap the loop in `with model.join():`")
+
+
+def _ddp_step_op(op: str) -> str | None:
+    """What a message calls ``op`` if it is one of DDP's per-step collectives, else None."""
+    for prefix, words in _DDP_STEP_OPS.items():
+        if op.startswith(prefix):
+            return words
+    return None
+
+
+def unequal_steps(states: dict[int, dict], timeout_s: float | None = None) -> str:
+    """Ranks waiting in a DDP step that other ranks never entered, in words with the fix; "" if none.
+
+    See [Note: unequal batches].
+
+    Args:
+        states: rank -> ``{"op": the collective it is in ("" outside any), "ddp_steps": its
+            synced DDP steps so far, "gone": how it left ("exited with code 0", "shut down"),
+            "" while it runs}``.
+        timeout_s: the collective timeout, named when a rank may be stalled instead.
+
+    Returns:
+        e.g. "rank 1 exited with code 0 after 9 DDP steps, while rank 0 waits in step 10's
+        gradient all-reduce: the ranks ran unequal numbers of steps, most likely because they
+        got unequal numbers of batches. Give every rank ..."; "" where the states do not show it.
+    """
+    waiting = {r: s["ddp_steps"] + 1 for r, s in states.items() if not s.get("gone") and _ddp_step_op(s["op"])}
+    if not waiting:
+        return ""
+    step = max(waiting.values())
+    waiters = sorted(r for r, n in waiting.items() if n == step)
+    short = {r: s for r, s in sorted(states.items()) if r not in waiting and s["ddp_steps"] < step}
+    if not short:
+        return ""
+    groups: dict[tuple, list[int]] = {}  # (verb, one rank, several ranks; its steps) -> the ranks
+    for r, s in short.items():
+        if s.get("gone"):
+            verb = (s["gone"], s["gone"])
+        elif s["op"]:
+            verb = (f"waits in {s['op']}", f"wait in {s['op']}")
+        else:
+            verb = ("is outside any collective", "are outside any collective")
+        groups.setdefault((*verb, s["ddp_steps"]), []).append(r)
+    did = "; ".join(f"{_ranks(rs)} {one if len(rs) == 1 else several} after {_count(n, 'DDP step')}"
+                    for (one, several, n), rs in groups.items())
+    what = _ddp_step_op(states[waiters[0]]["op"])
+    text = f"{did}, while {_ranks(waiters)} {'waits' if len(waiters) == 1 else 'wait'} in step {step}'s {what}"
+    unsure = [r for r, s in short.items() if not s.get("gone") and not s["op"]]
+    if unsure:
+        limit = f" for more than the {timeout_s:.0f}s timeout" if timeout_s else ""
+        one = len(unsure) == 1
+        text += (f": if {_ranks(unsure)} {'has' if one else 'have'} left the training loop, the ranks got unequal "
+                 f"numbers of batches (else {'it is' if one else 'they are'} stalled in step {step}{limit})")
+    else:
+        text += ": the ranks ran unequal numbers of steps, most likely because they got unequal numbers of batches"
+    return f"{text}. {EQUAL_BATCHES_FIX}"
+
+
+def _ranks(ranks: list[int], limit: int = 16) -> str:
+    """Ranks in words: ``rank 3``, ``ranks 1, 2, 3``, ``ranks 0, 1, ... (40 more)``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    more = f", ... ({len(ranks) - limit} more)" if len(ranks) > limit else ""
+    return f"ranks {', '.join(str(r) for r in ranks[:limit])}{more}"
 
 
 def describe_exit(code: int | None) -> str:

@@ -5,8 +5,10 @@ a failure another node's launcher reported (the key ``failed_key(attempt)``), an
 the ranks' heartbeats (see [Note: heartbeats] in :mod:`dptrain._heartbeat`). A running rank
 whose heartbeat stands still for ``DPTRAIN_STALL_REPORT_S`` seconds is reported as making no
 progress; ranks that exited 0 while others still run are reported once, with what the
-others are doing. Every exit is published in the store (see [Note: exits in the store] in
-:mod:`dptrain.launcher.job`).
+others are doing. Where a rank waits in a DDP step that another never entered, either report
+says the likely cause, unequal numbers of batches, and its fix (see [Note: unequal batches]
+in :mod:`dptrain._heartbeat`). Every exit is published in the store (see [Note: exits in the
+store] in :mod:`dptrain.launcher.job`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from dptrain._heartbeat import key, keys_prefix, where
+from dptrain._heartbeat import key, keys_prefix, unequal_steps, where
 from dptrain._join import ranks_text
 from dptrain.launcher.rendezvous import failed_key
 from dptrain.launcher.workers import RankProcess, finish_output
@@ -46,9 +48,9 @@ def peer_failure(store: Any, attempt: int) -> str | None:
     return None
 
 
-def heartbeat(store: Any, attempt: int, rank: int) -> dict | None:
-    """The last heartbeat of ``rank`` in ``attempt``, or None."""
-    name = f"{keys_prefix(attempt)}/{key('hb', rank)}"
+def heartbeat(store: Any, attempt: int, rank: int, kind: str = "hb") -> dict | None:
+    """The last heartbeat of ``rank`` in ``attempt``, or None; ``kind="left"``: the note it wrote as it left."""
+    name = f"{keys_prefix(attempt)}/{key(kind, rank)}"
     try:
         return json.loads(store.get(name)) if store.check([name]) else None
     except Exception:  # noqa: BLE001 - best effort: the store may be going away
@@ -74,6 +76,7 @@ class Watch:
         self.nnodes = nnodes
         self.exits: dict[int, tuple[int, float]] = {}  # rank -> (exit code, time.monotonic())
         self._early_exit_reported = False
+        self._unequal_reported = False  # the unequal-batches hint of a stall report is said once
 
     def _report_stalls(self, seen: dict[int, list], running: list[RankProcess]) -> None:
         """Print "rank r has made no progress for N s" for running ranks whose heartbeat stands still.
@@ -82,11 +85,13 @@ class Watch:
         steps, current op), when it last changed, and when we last reported it.
         """
         now = time.time()
+        beats = {}
+        reported = False
         for r in running:
-            b = heartbeat(self.store, self.attempt, r.rank)
+            b = beats[r.rank] = heartbeat(self.store, self.attempt, r.rank)
             if b is None:
                 continue
-            state = (b["seq"], b["ticks"], b["op"])
+            state = (b["seq"], b["ticks"], b["ddp_steps"], b["op"])
             entry = seen.setdefault(r.rank, [state, now, 0.0])
             if entry[0] != state:
                 seen[r.rank] = [state, now, 0.0]
@@ -94,7 +99,14 @@ class Watch:
             idle = now - entry[1]
             if idle >= self.stall_s and now - entry[2] >= self.stall_s:
                 entry[2] = now
+                reported = True
                 self.log(f"dptrain run: rank {r.rank} has made no progress for {idle:.0f}s ({where(b)})")
+        if reported and not self._unequal_reported:
+            # One rank waits in a DDP step that another never entered: most often unequal batches.
+            hint = unequal_steps({r: {"op": b["op"], "ddp_steps": b["ddp_steps"]} for r, b in beats.items() if b})
+            if hint:
+                self._unequal_reported = True
+                self.log(f"dptrain run: {hint}")
 
     def _record_exit(self, r: RankProcess, code: int) -> None:
         self.exits[r.rank] = (code, time.monotonic())
@@ -121,8 +133,22 @@ class Watch:
         if waiting:
             hint = (f". Rank(s) {ranks_text(waiting)} wait in a collective that needs the ranks that exited: it "
                     f"fails at the timeout. Every rank must make the same collective calls until its end")
+            unequal = unequal_steps({**self._ended_steps(gone), **{
+                r: {"op": b["op"], "ddp_steps": b["ddp_steps"]} for r, b in beats.items() if b}})
+            if unequal:
+                hint = f". {unequal}"
         self.log(f"dptrain run: {who} exited with code 0 while {still} still running, {waited:.0f}s later"
                  f"{f' ({states})' if states else ''}{hint}")
+
+    def _ended_steps(self, ranks: list[int]) -> dict[int, dict]:
+        """The DDP steps of ranks that exited 0, from the note each wrote as it left (else its
+        last heartbeat, which may be an interval old), for :func:`unequal_steps`."""
+        out = {}
+        for r in ranks:
+            entry = heartbeat(self.store, self.attempt, r, "left") or heartbeat(self.store, self.attempt, r)
+            if entry is not None:
+                out[r] = {"op": "", "ddp_steps": entry["ddp_steps"], "gone": "exited with code 0"}
+        return out
 
     def run(self) -> tuple[RankProcess | None, str | None]:
         """Wait until all ranks exit 0 (None, None), a local rank fails (rank, None), a peer

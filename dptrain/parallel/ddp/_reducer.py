@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from dptrain import comm
+from dptrain import _heartbeat, comm
 from dptrain._shm import ShmGroup
 from dptrain.parallel.ddp import _reducer_errors as errors
 from dptrain.parallel.ddp._buckets import (
@@ -612,6 +612,7 @@ class Reducer:
             self._rebuild.decide(self._rebuild_votes(self.buckets[-1].flat))
         if self.observer is not None:
             self.observer.backward_finished(joined=False)
+        _heartbeat.note_ddp_step(self.num_iterations)  # stall reports count a plain loop's steps
 
     def _complete_missing(self) -> bool:
         """Launch the buckets that still wait for gradients; False if this backward was faulty."""
