@@ -1,7 +1,9 @@
-"""Every name the README writes as ``dptrain.<sub>.<Name>`` works right after ``import dptrain``."""
+"""Every name the README and the guides in docs/ write as ``dptrain.<sub>.<Name>`` works right
+after ``import dptrain``."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -14,7 +16,8 @@ SUBPACKAGES = ["train", "models", "parallel", "data", "checkpoint", "comm", "env
 
 
 def _readme_dotted_names() -> list[str]:
-    text = open(os.path.join(ROOT, "README.md")).read()
+    paths = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+    text = "\n".join(open(p).read() for p in paths)
     # `from dptrain.x import y` is an import path, not an attribute use: leave those out.
     text = re.sub(r"from dptrain[\w.]* import", "", text)
     return sorted(set(re.findall(r"\bdptrain(?:\.[A-Za-z_]\w*){2,}", text)))
@@ -22,7 +25,7 @@ def _readme_dotted_names() -> list[str]:
 
 def test_the_readme_names_are_attributes_after_a_bare_import():
     names = _readme_dotted_names() + [f"dptrain.{s}" for s in SUBPACKAGES]
-    assert "dptrain.train.EarlyStopping" in names, "the README no longer names dptrain.train.*; update this test"
+    assert "dptrain.train.EarlyStopping" in names, "the README and docs/ no longer name dptrain.train.*; update this test"
     # A fresh interpreter: nothing but `import dptrain` ran before the lookups.
     probe = (
         "import functools, sys\n"

@@ -1,5 +1,6 @@
 """The README runs as written: its first code block (alone and on two ranks), and the Quick
-start commands from a fresh clone."""
+start commands from a fresh clone; the Trainer guide shows FSDP's refusal as it prints. The
+other Python blocks of the README and of docs/ run in tests/test_docs.py."""
 
 from __future__ import annotations
 
@@ -84,14 +85,14 @@ def test_the_quick_start_commands_run_as_written_from_a_fresh_clone(tmp_path):
     assert _our_install_state() == before, "the test changed this environment's own dptrain install"
 
 
-def _section(title: str) -> str:
-    text = open(os.path.join(ROOT, "README.md")).read()
+def _section(path: str, title: str) -> str:
+    text = open(os.path.join(ROOT, path)).read()
     start = text.index(f"## {title}")
     end = text.find("\n## ", start + 1)
     return text[start:end if end > 0 else len(text)]
 
 
-def test_the_trainer_section_says_fsdp_needs_a_function_for_the_optimizer():
+def test_the_trainer_guide_says_fsdp_needs_a_function_for_the_optimizer():
     import torch
     from torch import nn
 
@@ -106,7 +107,7 @@ def test_the_trainer_section_says_fsdp_needs_a_function_for_the_optimizer():
         refusal = f"ValueError: {exc}"
     else:
         raise AssertionError("the Trainer took an optimizer object for strategy='fsdp'")
-    section = _section("Training with the Trainer")
-    assert refusal in section, "the Trainer section must show the refusal as it prints:\n" + refusal
+    section = _section("docs/trainer.md", "FSDP in the Trainer")
+    assert refusal in section, "the Trainer guide's FSDP section must show the refusal as it prints:\n" + refusal
     code = "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
     assert 'strategy="fsdp"' in code and "lambda params:" in code, "show FSDP in the Trainer with an optimizer function"
