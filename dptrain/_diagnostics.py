@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import time
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dptrain import _heartbeat
+from dptrain import _heartbeat, _settings
 from dptrain._errors import CollectiveError, CollectiveMismatchError
 from dptrain._heartbeat import enter, leave, read_per_rank
 
@@ -63,7 +62,7 @@ def reset() -> None:
 
 
 def debug_enabled() -> bool:
-    return os.environ.get("DPTRAIN_DEBUG", "0") not in ("", "0", "false", "False")
+    return _settings.get("DPTRAIN_DEBUG")
 
 
 def _group_key(group: Any) -> str:

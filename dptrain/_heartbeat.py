@@ -32,9 +32,10 @@ import threading
 import time
 from typing import Any
 
+from dptrain import _settings
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
-    "HEARTBEAT_S",
     "attempt_prefix",
     "keys_prefix",
     "tick",
@@ -51,10 +52,7 @@ __all__ = [
 #: Seconds a collective may wait before the job is failed, when neither ``init(timeout=)``
 #: nor ``DPTRAIN_TIMEOUT`` (``dptrain run --timeout``) says otherwise. Long enough for a
 #: slow checkpoint on rank 0, short enough that a stalled job does not burn a night of GPU time.
-DEFAULT_TIMEOUT_S = 600.0
-
-#: Seconds between heartbeats (``DPTRAIN_HEARTBEAT_S``).
-HEARTBEAT_S = float(os.environ.get("DPTRAIN_HEARTBEAT_S", "2"))
+DEFAULT_TIMEOUT_S: float = _settings.default("DPTRAIN_TIMEOUT")
 
 PROCESS_GROUP_PART = "pg"
 DPTRAIN_PART = "dp"
@@ -133,10 +131,14 @@ _thread: dict[str, Any] = {}
 
 
 def start(store: Any, rank: int, interval: float | None = None) -> None:
-    """Publish this rank's progress to ``store`` every ``interval`` seconds (a daemon thread)."""
+    """Publish this rank's progress to ``store`` every ``interval`` seconds (default ``DPTRAIN_HEARTBEAT_S``).
+
+    A daemon thread does it. Raises ``SettingError`` when ``DPTRAIN_HEARTBEAT_S`` is not a number of seconds.
+    """
+    interval = interval or _settings.get("DPTRAIN_HEARTBEAT_S")
     stop()
     stop_event = threading.Event()
-    thread = threading.Thread(target=_loop, args=(store, rank, interval or HEARTBEAT_S, stop_event), daemon=True,
+    thread = threading.Thread(target=_loop, args=(store, rank, interval, stop_event), daemon=True,
                               name="dptrain-heartbeat")
     thread.start()
     _thread.update(stop=stop_event, thread=thread)

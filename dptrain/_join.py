@@ -32,8 +32,7 @@ import threading
 import time
 from typing import Any, Callable, Protocol
 
-#: Seconds ``init`` waits silently before it says what it is waiting for.
-WAIT_REPORT_S = float(os.environ.get("DPTRAIN_WAIT_REPORT_S", "30"))
+from dptrain import _settings
 
 
 def probe(addr: str, port: int, timeout_s: float = 2.0) -> str | None:
@@ -55,20 +54,21 @@ def wait_for_listener(host: str, port: int, timeout_s: float, who: str, what: st
                       log: Callable[[str], None], check: Callable[[], None] = lambda: None) -> None:
     """Return once something accepts connections at ``host:port`` (a launcher waiting for node 0).
 
-    Every ``WAIT_REPORT_S`` it logs "dptrain run: <who> has waited Ns for <what> at host:port:
+    Every ``DPTRAIN_WAIT_REPORT_S`` seconds it logs "dptrain run: <who> has waited Ns for <what> at host:port:
     <why>. <hint>"; after ``timeout_s`` it raises ValueError "<who> could not reach <what> at
     host:port within Ts: <why>". ``check`` runs between probes (it may raise to stop waiting).
     """
     where = f"{host}:{port}"
+    report_s = _settings.get("DPTRAIN_WAIT_REPORT_S")
     t0 = time.monotonic()
-    next_report = t0 + WAIT_REPORT_S
+    next_report = t0 + report_s
     while (why := probe(host, port, timeout_s=1.0)) is not None:
         check()
         waited = time.monotonic() - t0
         if waited >= timeout_s:
             raise ValueError(f"{who} could not reach {what} at {where} within {timeout_s:.0f}s: {why}")
         if time.monotonic() >= next_report:
-            next_report += WAIT_REPORT_S
+            next_report += report_s
             log(f"dptrain run: {who} has waited {waited:.0f}s for {what} at {where}: {why}. {hint}")
         time.sleep(0.5)
 
@@ -107,7 +107,7 @@ class JoinWatch:
         self.world = world
         self.timeout_s = timeout_s
         self._open_reader = open_reader
-        self._report_s = WAIT_REPORT_S if report_s is None else report_s
+        self._report_s = _settings.get("DPTRAIN_WAIT_REPORT_S") if report_s is None else report_s
         self._t0 = time.monotonic()
         self.connected = False  # the main thread reached the store
         self._stop = threading.Event()

@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from dptrain import _diagnostics, _heartbeat, _join, environments
+from dptrain import _diagnostics, _heartbeat, _join, _settings, environments
 from dptrain import _exit  # also registers the wait for gloo's workers at exit (see dptrain._exit)
 from dptrain._heartbeat import DEFAULT_TIMEOUT_S
 from dptrain.environments import expand_nodelist
@@ -142,14 +142,7 @@ _STATE = _State()
 
 def _timeout_from(timeout) -> datetime.timedelta:
     if timeout is None:
-        raw = os.environ.get("DPTRAIN_TIMEOUT")
-        if raw:
-            try:
-                timeout = float(raw)
-            except ValueError:
-                raise ValueError(f"DPTRAIN_TIMEOUT={raw!r} is not a number of seconds") from None
-        else:
-            timeout = DEFAULT_TIMEOUT_S
+        timeout = _settings.get("DPTRAIN_TIMEOUT")  # DEFAULT_TIMEOUT_S when unset
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=float(timeout))
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
@@ -232,7 +225,8 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         The :class:`World`; use it as a context manager to shut down on exit.
 
     Raises:
-        ValueError: a launcher variable is missing or malformed, or ``backend`` is unknown.
+        ValueError: a launcher variable is missing or malformed, a ``DPTRAIN_*`` variable holds a
+            value it cannot take (see :mod:`dptrain._settings`), or ``backend`` is unknown.
         RuntimeError: the job could not be joined within the timeout; the message names
             the rank, the address and the ranks that never arrived.
 
@@ -243,6 +237,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     """
     if _STATE.world is not None:
         return _STATE.world
+    _settings.check_all()  # a bad DPTRAIN_* value fails here, in one line, not at its first use
     if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
         raise ValueError(f"unknown backend {backend!r}; use 'gloo' (CPU), 'nccl' (CUDA) or None to choose")
     td = _timeout_from(timeout)

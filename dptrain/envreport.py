@@ -1,13 +1,15 @@
 """``dptrain env``: what a bug report about distributed training needs, in one paste.
 
 Versions (dptrain, torch, Python, CUDA, NCCL), the backends torch.distributed offers, the
-GPUs and CPU cores, every distributed environment variable that is set, the network
+GPUs and CPU cores, every distributed environment variable that is set (a ``DPTRAIN_*`` one
+with what is wrong with its value, see ``dptrain._settings``), the network
 interface gloo would use, and whether shared memory, network namespaces and Slurm are there.
 Nothing here starts a process group or contacts another host.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import platform
 import shutil
@@ -15,6 +17,8 @@ import socket
 import subprocess
 import sys
 from typing import Any
+
+from dptrain import _settings
 
 __all__ = ["collect", "format_report"]
 
@@ -78,7 +82,22 @@ def _hardware() -> dict[str, Any]:
 
 
 def _variables() -> dict[str, str]:
-    return {k: v for k, v in sorted(os.environ.items()) if k in _NAMES or k.startswith(_PREFIXES)}
+    """The variables set; a ``DPTRAIN_*`` one with what is wrong with it, if anything."""
+    found = {}
+    for name, value in sorted(os.environ.items()):
+        if name in _NAMES or name.startswith(_PREFIXES):
+            found[name] = value + _verdict(name, value)
+    return found
+
+
+def _verdict(name: str, value: str) -> str:
+    if not name.startswith("DPTRAIN_"):
+        return ""
+    if name not in _settings.SETTINGS:
+        close = difflib.get_close_matches(name, _settings.SETTINGS, n=1, cutoff=0.8)
+        return f"  (not read by dptrain{f'; did you mean {close[0]}?' if close else ''})"
+    wrong = _settings.problem(name, value)
+    return f"  (INVALID: {wrong})" if wrong else ""
 
 
 def _network() -> dict[str, Any]:

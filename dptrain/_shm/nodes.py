@@ -27,13 +27,12 @@ uses gloo, as before. ``DPTRAIN_SHM_NODES=0`` turns this off alone; ``DPTRAIN_SH
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dptrain import comm
+from dptrain import _settings, comm
 from dptrain._shm import group as _group
 from dptrain._shm.group import ShmGroup, region_for
 from dptrain._shm.segment import _local_obstacle, _node_identity, shm_disabled_by_env
@@ -42,7 +41,7 @@ __all__ = ["for_reducer", "for_parameters", "node_groups", "layout"]
 
 
 def _disabled() -> bool:
-    return os.environ.get("DPTRAIN_SHM_NODES", "1").strip().lower() in ("0", "false", "off", "no")
+    return not _settings.get("DPTRAIN_SHM_NODES")
 
 
 def layout(nodes: Sequence[Any]) -> list[list[int]] | None:

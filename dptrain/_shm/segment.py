@@ -72,7 +72,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from dptrain import _diagnostics, comm, env
+from dptrain import _diagnostics, _settings, comm, env
 
 __all__ = ["ShmPeerError", "open_segment", "shm_disabled_by_env", "SEGMENT_PREFIX"]
 
@@ -141,8 +141,8 @@ class ShmPeerError(RuntimeError):
 
 # ------------------------------------------------------------------------------ eligibility
 def shm_disabled_by_env() -> bool:
-    """True when ``DPTRAIN_SHM`` is set to 0 / false / off / no."""
-    return os.environ.get("DPTRAIN_SHM", "1").strip().lower() in ("0", "false", "off", "no")
+    """True when ``DPTRAIN_SHM`` is set to 0 / false / no / off."""
+    return not _settings.get("DPTRAIN_SHM")
 
 
 def _read(path: str) -> str:

@@ -21,13 +21,16 @@ import uuid
 from typing import Callable
 
 from dptrain._heartbeat import EXITS_PUBLISHED, describe_exit, keys_prefix
-from dptrain._join import WAIT_REPORT_S, ranks_text, wait_for_listener
+from dptrain import _settings
+from dptrain._join import ranks_text, wait_for_listener
 from dptrain.launcher.janitor import Janitor
 from dptrain.launcher.membership import Elastic, Membership
 from dptrain.launcher.relay import Console
 from dptrain.launcher.rendezvous import (RendezvousServer, exit_barrier, failed_key, iface_towards, loopback_ifname,
                                          wait_s)
+from dptrain.launcher.preflight import preflight
 from dptrain.launcher.store import StoreClient, StoreError
+from dptrain.launcher.store_values import Warnings, failure_text
 from dptrain.launcher.watch import Watch, peer_failure, publish
 from dptrain.launcher.workers import (RankProcess, error_file, finish_output, omp_threads, process_environ,
                                       rank_log_files, read_error_file, stop_processes)
@@ -213,6 +216,7 @@ class _Job:
         self.server = None
         self.store: StoreClient | None = None
         self.elastic: Elastic | None = None
+        self.warnings = Warnings(self.log)  # malformed values read from the store, each said once
         # This node's place in the current attempt; fixed unless the job is elastic.
         self.layout = Membership(node_rank=config.node_rank, rank_base=config.node_rank * config.nproc_per_node,
                                  num_nodes=config.nnodes, world_size=config.world_size, nodes=())
@@ -222,7 +226,7 @@ class _Job:
                 self._open_store()
                 self.elastic = Elastic(self.store, config.node_rank, config.nproc_per_node, config.min_nodes,
                                        config.nnodes, config.join_timeout, config.wait_s,
-                                       self.log, self._check_signals)
+                                       self.log, self._check_signals, self.warnings)
         except BaseException:
             self.close()
             raise
@@ -231,7 +235,7 @@ class _Job:
         if config.redirects or config.tee:
             self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="dptrain_logs_")  # as torchrun: a new folder
             self.log(f"dptrain run: rank logs go to {os.path.join(self.log_dir, self.run_id)}")
-        self.stall_s = float(os.environ.get("DPTRAIN_STALL_REPORT_S", "60"))
+        self.stall_s = _settings.get("DPTRAIN_STALL_REPORT_S")
         self.base_env = base_environ(config, self.host, self.log)
         self.cmd = [sys.executable, "-u"] + (["-m", config.program] if config.module else [config.program])
         self.cmd += list(config.args)
@@ -313,7 +317,8 @@ class _Job:
 
     def watch(self, attempt: int) -> tuple[RankProcess | None, str | None]:
         """Watch the ranks of ``attempt`` until they are done, one fails, or a signal arrives (see ``Watch.run``)."""
-        self.watching = Watch(self.store, attempt, self.ranks, self.signals, self.log, self.stall_s, self.config.nnodes)
+        self.watching = Watch(self.store, attempt, self.ranks, self.signals, self.log, self.stall_s, self.config.nnodes,
+                              self.warnings)
         return self.watching.run()
 
     def stop_all(self) -> None:
@@ -331,7 +336,7 @@ class _Job:
             code = failed.poll()
             what = (f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
                     f"{describe_exit(code)}")
-            publish(self.store, failed_key(attempt), f"on node {config.node_rank}: {what}")
+            publish(self.store, failed_key(attempt), failure_text(config.node_rank, what))
             earlier = sorted(rank for rank, (c, _) in self.watching.exits.items() if c == 0)
             if earlier:
                 what += f" (after rank(s) {ranks_text(earlier)} had exited with code 0)"
@@ -372,6 +377,7 @@ def run_job(config: LaunchConfig) -> int:
     job (every node) is restarted after a failure, up to that many times. SIGINT, SIGTERM,
     SIGHUP and SIGQUIT stop every rank; the exit code is then 128 + the signal's number.
     """
+    preflight(config)  # bad DPTRAIN_* values, more ranks than can start: refused before any rank starts
     signals = _Signals()
     signals.install()
     job = None
@@ -401,8 +407,8 @@ def _run_attempts(job: _Job) -> int:
         failed, peer = job.watch(attempt)
         if not (signals.received or failed or peer):
             peer = exit_barrier(job.store, keys_prefix(attempt), job.layout.num_nodes, job.server is not None,
-                                config.wait_s, WAIT_REPORT_S, job.log,
-                                lambda: peer_failure(job.store, attempt), job._check_signals)
+                                config.wait_s, _settings.get("DPTRAIN_WAIT_REPORT_S"), job.log,
+                                lambda: peer_failure(job.store, attempt, job.warnings), job._check_signals)
         if signals.received or (failed is None and peer is None):
             break
         code = job.report_failure(attempt, failed, peer)

@@ -22,6 +22,10 @@ does not come back within ``join_timeout`` is left out: the ranks start as a sma
 and the Trainer resumes from the newest checkpoint on the new world size, where its sampler
 gives every sample not yet seen in the epoch to exactly one rank. Node 0 hosts the store,
 so it cannot be the node that is lost (as with torchrun's built-in rendezvous).
+
+Every value read here is checked (see [Note: the store is not trusted] in ``store_values``):
+an arrival, a list of members or an attempt number that is not what a launcher writes is
+ignored, with one warning line, as if it were not there.
 """
 
 from __future__ import annotations
@@ -32,11 +36,18 @@ import time
 import uuid
 from typing import Any, Callable
 
+from dptrain.launcher import store_values
 from dptrain.launcher.rendezvous import failed_key
+from dptrain.launcher.store_values import Warnings
 
 PREFIX = "launcher/elastic"
 DONE = f"{PREFIX}/done"
 _POLL_S = 0.2
+
+
+def max_arrivals(max_nodes: int) -> int:
+    """Arrivals node 0 reads per attempt: every node's, with room for launchers started twice."""
+    return 4 * max_nodes + 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +67,13 @@ class Elastic:
 
     ``store`` is the rendezvous store; ``node_id`` this launcher's ``--node-rank`` (0: the
     coordinator); ``log`` prints a launcher line; ``interrupted`` raises when a signal
-    arrived (waits call it between polls).
+    arrived (waits call it between polls); ``warnings`` reports malformed values (default: one
+    of its own, through ``log``).
     """
 
     def __init__(self, store: Any, node_id: int, nproc: int, min_nodes: int, max_nodes: int,
                  join_timeout: float, timeout: float, log: Callable[[str], None],
-                 interrupted: Callable[[], None]) -> None:
+                 interrupted: Callable[[], None], warnings: Warnings | None = None) -> None:
         self.store = store
         self.node_id = node_id
         self.nproc = nproc
@@ -71,6 +83,7 @@ class Elastic:
         self.timeout = timeout
         self.log = log
         self.interrupted = interrupted
+        self.warn = warnings or Warnings(log)
         self.token = uuid.uuid4().hex
         self.last_nodes: tuple[int, ...] | None = None
 
@@ -83,8 +96,7 @@ class Elastic:
         """The attempt this launcher can join first: 0 for node 0, else the one node 0 has opened."""
         if self.coordinator:
             return 0
-        self._wait_for(f"{PREFIX}/current", self.timeout, "node 0 to open the job")
-        return int(self.store.get(f"{PREFIX}/current"))
+        return self._wait_for(f"{PREFIX}/current", store_values.attempt_number, self.timeout, "node 0 to open the job")
 
     def join(self, attempt: int) -> Membership | None:
         """Register for ``attempt`` and return this node's place in it (None: not admitted)."""
@@ -95,10 +107,10 @@ class Elastic:
         self.store.set(f"{base}/arrival/{arrival}",
                        json.dumps({"node": self.node_id, "nproc": self.nproc, "token": self.token}))
         if self.coordinator:
-            self._decide(attempt)
+            members = self._decide(attempt)
         else:
-            self._wait_for(f"{base}/members", self.timeout + self.join_timeout, f"node 0 to start attempt {attempt}")
-        members = json.loads(self.store.get(f"{base}/members"))
+            members = self._wait_for(f"{base}/members", store_values.members, self.timeout + self.join_timeout,
+                                     f"node 0 to start attempt {attempt}")
         if "error" in members:
             raise ValueError(members["error"])
         mine = [i for i, m in enumerate(members["nodes"]) if m["token"] == self.token]
@@ -111,14 +123,19 @@ class Elastic:
 
     def _arrivals(self, base: str) -> list[dict]:
         count = int(self.store.add(f"{base}/arrivals", 0))
+        if count > max_arrivals(self.max_nodes):
+            self.warn("arrivals counter", f"{base}/arrivals", f"{count} arrivals; a job of at most {self.max_nodes} "
+                      f"nodes reads the first {max_arrivals(self.max_nodes)}")
+            count = max_arrivals(self.max_nodes)
         found = []
         for i in range(1, count + 1):
-            name = f"{base}/arrival/{i}"
-            if self.store.check([name]):  # an arrival number is taken just before its entry is written
-                found.append(json.loads(self.store.get(name)))
+            # An arrival number is taken just before its entry is written: one may be missing yet.
+            entry = store_values.read(self.store, f"{base}/arrival/{i}", store_values.arrival, self.warn)
+            if entry is not None:
+                found.append(entry)
         return found
 
-    def _decide(self, attempt: int) -> None:
+    def _decide(self, attempt: int) -> dict:
         """Node 0: wait for the nodes of ``attempt``, then write who takes part."""
         base = f"{PREFIX}/{attempt}"
         t0 = time.monotonic()
@@ -144,7 +161,8 @@ class Elastic:
             seen[a["node"]] = a
             chosen.append(a)
         chosen = chosen[: self.max_nodes]
-        self.store.set(f"{base}/members", json.dumps({"nodes": chosen}))
+        members = {"nodes": chosen}
+        self.store.set(f"{base}/members", json.dumps(members))
         nodes = tuple(a["node"] for a in chosen)
         if nodes != self.last_nodes and (self.last_nodes is not None or len(nodes) < self.max_nodes):
             gone = sorted(set(self.last_nodes or ()) - set(nodes))
@@ -152,6 +170,7 @@ class Elastic:
             self.log(f"dptrain run: attempt {attempt} runs on {len(nodes)} of at most {self.max_nodes} nodes "
                      f"(node(s) {', '.join(map(str, nodes))}), {sum(a['nproc'] for a in chosen)} rank(s){why}")
         self.last_nodes = nodes
+        return members
 
     # ---- waiting outside the job
     def wait_for_next(self, attempt: int) -> bool:
@@ -176,11 +195,13 @@ class Elastic:
         except Exception:  # noqa: BLE001 - best effort
             pass
 
-    def _wait_for(self, name: str, timeout: float, what: str) -> None:
+    def _wait_for(self, name: str, parse: Callable[[bytes], Any], timeout: float, what: str) -> Any:
+        """The value of ``name`` once it is there and well-formed (see ``store_values``)."""
         t0 = time.monotonic()
-        while not self.store.check([name]):
+        while (value := store_values.read(self.store, name, parse, self.warn)) is None:
             self.interrupted()
             if time.monotonic() - t0 > timeout:
                 raise ValueError(f"node {self.node_id} waited {timeout:.0f}s for {what}; is node 0's launcher "
                                  f"running with the same --nnodes MIN:MAX?")
             time.sleep(_POLL_S)
+        return value

@@ -31,11 +31,10 @@ import threading
 import time
 from typing import IO
 
+from dptrain import _settings
+
 _SPLIT = re.compile(rb"(\r|\n)")
 _MAX_LIVE = 16  # lines in progress shown at once on a terminal
-
-#: Seconds between two progress lines of one rank when no terminal watches.
-PROGRESS_EVERY_S = float(os.environ.get("DPTRAIN_PROGRESS_EVERY_S", "5"))
 
 
 def _isatty(stream: IO) -> bool:
@@ -192,7 +191,7 @@ class Relay:
         self._console = console
         self._show = show
         self._tty = show and console.tty[index]
-        self._every_s = PROGRESS_EVERY_S if every_s is None else every_s
+        self._every_s = _settings.get("DPTRAIN_PROGRESS_EVERY_S") if every_s is None else every_s
         self._split = _Splitter()
         self._pending = b""  # lines mode: newest update not yet written
         self._last_emit = float("-inf")

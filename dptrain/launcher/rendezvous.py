@@ -20,7 +20,7 @@ import time
 
 from dptrain._heartbeat import DEFAULT_TIMEOUT_S
 from dptrain._join import wait_for_listener
-from dptrain.launcher.store import StoreClient, StoreServer, use_python_store
+from dptrain.launcher.store import LISTEN_BACKLOG, StoreClient, StoreServer, use_python_store
 
 __all__ = ["RendezvousServer", "free_port", "loopback_ifname", "iface_towards", "exit_barrier", "node_rank",
            "auto_node_rank", "default_node_rank", "ARRIVALS_KEY", "wait_s", "failed_key"]
@@ -75,7 +75,7 @@ class RendezvousServer:
             raise ValueError(f"cannot listen on {host} ({exc.strerror}); check --master-addr") from None
         # Listening already: ranks started before serve() queue in the backlog and are answered
         # once the store runs, so a launcher can start its ranks before its store is up.
-        self._sock.listen(512)
+        self._sock.listen(LISTEN_BACKLOG)  # as the store listens once it serves: no overflow at thousands of ranks
         self.port = self._sock.getsockname()[1]
 
     def serve(self) -> None:

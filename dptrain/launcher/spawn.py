@@ -47,6 +47,7 @@ import traceback
 import types
 from typing import Any, Callable, Sequence
 
+from dptrain import _settings
 from dptrain._errors import RankFailedError
 from dptrain._heartbeat import describe_exit
 from dptrain.launcher.rendezvous import RendezvousServer, loopback_ifname, wait_s
@@ -155,7 +156,8 @@ def spawn(
         Each rank's return value, in rank order.
 
     Raises:
-        ValueError: ``nprocs < 1``.
+        ValueError: ``nprocs < 1``, or a ``DPTRAIN_*`` variable (of this process or ``env``)
+            holds a value it cannot take: said here once rather than by every rank.
         RuntimeError: ``start_method`` is None, the ranks must be forked (see above), and
             CUDA is already initialized in this process, or this platform cannot fork.
             The message shows the fix: call ``spawn`` before anything uses CUDA, or
@@ -175,6 +177,7 @@ def spawn(
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"spawn needs nprocs >= 1, got {nprocs!r}")
+    _settings.check_all({**os.environ, **(env or {})})
     if start_method is None:
         start_method = _choose_start_method(fn, tuple(args), nprocs)
     ctx = mp.get_context(start_method)

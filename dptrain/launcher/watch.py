@@ -20,13 +20,16 @@ from typing import Any, Callable, Sequence
 
 from dptrain._heartbeat import key, keys_prefix, unequal_steps, where
 from dptrain._join import ranks_text
+from dptrain.launcher import store_values
 from dptrain.launcher.rendezvous import failed_key
+from dptrain.launcher.store_values import Warnings
 from dptrain.launcher.workers import RankProcess, finish_output
 
 __all__ = ["Watch", "publish", "peer_failure", "POLL_S", "STALL_EVERY"]
 
 POLL_S = 0.05
 STALL_EVERY = 20  # check heartbeats and peers once a second
+_WARN = Warnings()  # for callers without warnings of their own: malformed values, said on stderr
 
 
 def publish(store: Any, name: str, value: str) -> None:
@@ -37,22 +40,28 @@ def publish(store: Any, name: str, value: str) -> None:
         pass
 
 
-def peer_failure(store: Any, attempt: int) -> str | None:
-    """What another node's launcher reported failed in ``attempt``, or None."""
-    name = failed_key(attempt)
+def peer_failure(store: Any, attempt: int, warn: Warnings | None = None) -> str | None:
+    """What another node's launcher reported failed in ``attempt``, or None.
+
+    Only a well-formed report counts (``store_values.failure_report``); any other value under
+    that key is ignored, said once through ``warn``.
+    """
     try:
-        if store.check([name]):
-            return store.get(name).decode()
+        return store_values.read(store, failed_key(attempt), store_values.failure_report, warn or _WARN)
     except Exception:  # noqa: BLE001 - node 0's launcher is gone: treat as a failure
         return "the launcher of node 0 is unreachable"
-    return None
 
 
-def heartbeat(store: Any, attempt: int, rank: int, kind: str = "hb") -> dict | None:
-    """The last heartbeat of ``rank`` in ``attempt``, or None; ``kind="left"``: the note it wrote as it left."""
+def heartbeat(store: Any, attempt: int, rank: int, kind: str = "hb", warn: Warnings | None = None) -> dict | None:
+    """The last heartbeat of ``rank`` in ``attempt``, or None; ``kind="left"``: the note it wrote as it left.
+
+    Checked (``store_values.heartbeat``, ``store_values.left_note``): a malformed one is None,
+    said once through ``warn``.
+    """
     name = f"{keys_prefix(attempt)}/{key(kind, rank)}"
+    parse = store_values.left_note if kind == "left" else store_values.heartbeat
     try:
-        return json.loads(store.get(name)) if store.check([name]) else None
+        return store_values.read(store, name, parse, warn or _WARN)
     except Exception:  # noqa: BLE001 - best effort: the store may be going away
         return None
 
@@ -62,11 +71,12 @@ class Watch:
 
     ``signals`` is the launcher's record of signals (``received``, and ``forward``: the
     SIGUSR1s to pass on); ``log`` prints a launcher line; ``nnodes`` > 1 makes it look for
-    failures of other nodes.
+    failures of other nodes; ``warnings`` reports malformed values read from the store (default:
+    one of its own, through ``log``).
     """
 
     def __init__(self, store: Any, attempt: int, ranks: Sequence[RankProcess], signals: Any,
-                 log: Callable[[str], None], stall_s: float, nnodes: int) -> None:
+                 log: Callable[[str], None], stall_s: float, nnodes: int, warnings: Warnings | None = None) -> None:
         self.store = store
         self.attempt = attempt
         self.ranks = ranks
@@ -74,9 +84,13 @@ class Watch:
         self.log = log
         self.stall_s = stall_s
         self.nnodes = nnodes
+        self.warn = warnings or Warnings(log)
         self.exits: dict[int, tuple[int, float]] = {}  # rank -> (exit code, time.monotonic())
         self._early_exit_reported = False
         self._unequal_reported = False  # the unequal-batches hint of a stall report is said once
+
+    def _beat(self, rank: int, kind: str = "hb") -> dict | None:
+        return heartbeat(self.store, self.attempt, rank, kind, self.warn)
 
     def _report_stalls(self, seen: dict[int, list], running: list[RankProcess]) -> None:
         """Print "rank r has made no progress for N s" for running ranks whose heartbeat stands still.
@@ -88,7 +102,7 @@ class Watch:
         beats = {}
         reported = False
         for r in running:
-            b = beats[r.rank] = heartbeat(self.store, self.attempt, r.rank)
+            b = beats[r.rank] = self._beat(r.rank)
             if b is None:
                 continue
             state = (b["seq"], b["ticks"], b["ddp_steps"], b["op"])
@@ -126,7 +140,7 @@ class Watch:
         who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {ranks_text(gone)}"
         live = [r.rank for r in running]
         still = f"rank {live[0]} is" if len(live) == 1 else f"ranks {ranks_text(live)} are"
-        beats = {r: heartbeat(self.store, self.attempt, r) for r in live}
+        beats = {r: self._beat(r) for r in live}
         states = "; ".join(f"rank {r}: {where(b)}" for r, b in beats.items() if b)
         waiting = [r for r, b in beats.items() if b and b["op"]]
         hint = ""
@@ -145,7 +159,7 @@ class Watch:
         last heartbeat, which may be an interval old), for :func:`unequal_steps`."""
         out = {}
         for r in ranks:
-            entry = heartbeat(self.store, self.attempt, r, "left") or heartbeat(self.store, self.attempt, r)
+            entry = self._beat(r, "left") or self._beat(r)
             if entry is not None:
                 out[r] = {"op": "", "ddp_steps": entry["ddp_steps"], "gone": "exited with code 0"}
         return out
@@ -176,7 +190,7 @@ class Watch:
             polls += 1
             if polls % STALL_EVERY == 0:
                 if self.nnodes > 1:
-                    peer = peer_failure(self.store, self.attempt)
+                    peer = peer_failure(self.store, self.attempt, self.warn)
                     if peer:
                         return None, peer
                 if self.exits:  # a rank that is gone makes no progress; say so once instead

@@ -32,6 +32,7 @@ import sys
 import time
 from typing import Any, Mapping
 
+from dptrain import _settings
 from dptrain.env import _warn_once_main
 
 __all__ = ["TrainerLog", "format_metrics", "progress_mode"]
@@ -59,10 +60,10 @@ def progress_mode(progress: bool | None) -> str:
         _warn_once_main("TrainerConfig(progress=True): the tqdm package is not installed, so progress is shown as "
                         "lines; pip install tqdm for a live bar")
         return "lines"
-    watched = os.environ.get("DPTRAIN_PROGRESS", "")
+    watched = _settings.get("DPTRAIN_PROGRESS")  # set by dptrain run: tty, lines or off
     if watched == "off":  # dptrain run does not show this rank's output (--log-ranks)
         return "off"
-    if watched == "tty" or (not watched and sys.stderr.isatty()):
+    if watched == "tty" or (watched is None and sys.stderr.isatty()):
         return "bar" if _have_tqdm() else "lines"
     return "lines"
 

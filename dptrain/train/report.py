@@ -18,6 +18,8 @@ import sys
 import traceback
 from typing import Any
 
+from dptrain import _settings
+
 __all__ = ["install_excepthook", "on_every_rank"]
 
 _EVERY_RANK = "_dptrain_every_rank"  # attribute: every rank raised this error alike
@@ -33,7 +35,10 @@ def on_every_rank(exc: BaseException) -> BaseException:
 
 
 def _debugging() -> bool:
-    return os.environ.get("DPTRAIN_DEBUG", "0") not in ("", "0")
+    try:
+        return _settings.get("DPTRAIN_DEBUG")
+    except _settings.SettingError:  # this hook must print the error it was given, not another one
+        return False
 
 
 def _is_user_error(exc: BaseException) -> bool:

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from dptrain import _heartbeat, comm
+from dptrain import _heartbeat, _settings, comm
 from dptrain._tensors import move_to_device
 from dptrain.data import prepare_dataloader
 from dptrain.env import World, _warn_once_main, device as _default_device, get_world, init, is_initialized, world_from_environ
@@ -376,7 +375,7 @@ class Trainer:
 
     def _make_profiler(self) -> StepProfiler | None:
         cfg = self.config
-        wanted = cfg.profile if cfg.profile is not None else os.environ.get("DPTRAIN_PROFILE", "0") not in ("", "0")
+        wanted = cfg.profile if cfg.profile is not None else _settings.get("DPTRAIN_PROFILE")
         if not wanted:
             return None
         out = cfg.profile_dir or cfg.log_dir or cfg.checkpoint_dir or "."

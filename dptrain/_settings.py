@@ -1,0 +1,221 @@
+"""Every ``DPTRAIN_*`` environment variable: what it means, its default, the values it takes.
+
+[Note: one place for the settings]
+The launcher and the ranks read the same variables, so each is declared once, here
+(:data:`SETTINGS`), and read through :func:`get` at the moment it is used -- never at
+import, so that no value can make ``import dptrain`` fail. A value a variable cannot take
+is refused with one line that names it and shows a good one::
+
+    DPTRAIN_HEARTBEAT_S='abc' is not a number of seconds, above 0 and at most 1000000; unset it (default: 2) or set e.g. DPTRAIN_HEARTBEAT_S=5
+
+``dptrain run`` checks them all (:func:`check_all`) before it starts a rank, so that line is
+printed once, by the launcher, with exit code 2, instead of a traceback from every rank.
+A rank started another way (torchrun, srun) raises :class:`SettingError` where it reads
+the value; the first one raised installs an exception hook that prints an uncaught one as
+its one line (the traceback stays available under ``DPTRAIN_DEBUG=1``). ``dptrain env``
+lists the variables that are set and what is wrong with each (:func:`problem`).
+
+An empty value counts as unset. Variables are read afresh at each use: cheap (a dict
+lookup and a comparison), and a test or a notebook that changes ``os.environ`` is heard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Callable, Mapping
+
+__all__ = ["SETTINGS", "Setting", "SettingError", "get", "default", "problem", "check_all"]
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+class SettingError(ValueError):
+    """A ``DPTRAIN_*`` variable holds a value it cannot take; the message is one line naming it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One ``DPTRAIN_*`` variable.
+
+    ``kind`` is ``"seconds"`` or ``"number"`` (a float in ``low``..``high``; ``low`` itself
+    only with ``low_ok``), ``"switch"`` (a bool: 1/true/yes/on or 0/false/no/off) or
+    ``"choice"`` (one of ``choices``, any case). ``default`` is what :func:`get` returns when
+    the variable is unset; ``default_text`` says it in words where it is None.
+    """
+
+    name: str
+    kind: str
+    default: Any
+    meaning: str
+    example: str  # a good value, shown in the error
+    low: float = 0.0
+    high: float = 1e6
+    low_ok: bool = False
+    choices: tuple[str, ...] = ()
+    default_text: str = ""
+    unit: str = "seconds"
+
+    def what(self) -> str:
+        """The values this variable takes, in words."""
+        if self.kind == "switch":
+            return "a switch (1, true, yes, on or 0, false, no, off)"
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
+        above = f"{self.low:g} or more" if self.low_ok else f"above {self.low:g}"
+        return f"a number of {self.unit}, {above} and at most {self.high:.0f}"
+
+    def parse(self, raw: str) -> Any:
+        """The value of ``raw`` (not empty); ValueError when this variable cannot take it."""
+        if self.kind == "switch":
+            if raw.lower() in _ON + _OFF:
+                return raw.lower() in _ON
+            raise ValueError(raw)
+        if self.kind == "choice":
+            if raw.lower() in self.choices:
+                return raw.lower()
+            raise ValueError(raw)
+        value = float(raw)  # ValueError for 'abc'; 'nan' and 'inf' fail the range below
+        if not ((value >= self.low if self.low_ok else value > self.low) and value <= self.high):
+            raise ValueError(raw)
+        return value
+
+
+def _seconds(name: str, default: float | None, meaning: str, example: str, **kw: Any) -> Setting:
+    return Setting(name, "seconds", default, meaning, example, **kw)
+
+
+def _switch(name: str, default: bool, meaning: str) -> Setting:
+    return Setting(name, "switch", default, meaning, "0" if default else "1")
+
+
+#: Every variable dptrain reads, by name. The launcher's flags set some of them for the ranks
+#: (``--timeout``, ``--debug``, ``--profile``); ``DPTRAIN_PROGRESS`` is the launcher's message
+#: to its ranks, and a user rarely sets it.
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    _seconds("DPTRAIN_TIMEOUT", 600.0, "seconds a collective (and dptrain.init) may wait before the job fails; "
+             "dptrain run --timeout sets it", "600", high=1e9),
+    _seconds("DPTRAIN_HEARTBEAT_S", 2.0, "seconds between two heartbeats of a rank (its progress, in the store)", "5"),
+    _seconds("DPTRAIN_WAIT_REPORT_S", 30.0, "seconds dptrain.init and dptrain run wait silently before they say "
+             "what they wait for, then again every as many", "30"),
+    _seconds("DPTRAIN_STALL_REPORT_S", 60.0, "seconds without progress after which dptrain run reports a rank as "
+             "stalled", "60"),
+    _seconds("DPTRAIN_PROGRESS_EVERY_S", 5.0, "seconds between two progress lines of a rank that dptrain run "
+             "relays when no terminal watches (0: every update)", "5", low_ok=True),
+    _switch("DPTRAIN_DEBUG", False, "cross-check every collective across ranks and show tracebacks of user "
+            "errors; dptrain run --debug sets it"),
+    _switch("DPTRAIN_PROFILE", False, "the Trainer's per-rank step report; dptrain run --profile sets it"),
+    _switch("DPTRAIN_SHM", True, "shared memory among the CPU ranks of a node (0: gloo only)"),
+    _switch("DPTRAIN_SHM_NODES", True, "across nodes: one shared-memory segment per node, gloo between nodes "
+            "(0: gloo for everything)"),
+    Setting("DPTRAIN_STORE", "choice", None, "which server hosts the rendezvous store in dptrain run",
+            "python", choices=("python", "torch"), default_text="python, or torch with a torch newer than dptrain "
+            "was tested with"),
+    Setting("DPTRAIN_STORE_MAX_MB", "number", 512, "MiB of keys and values one job may keep in dptrain's "
+            "rendezvous store", "512", high=1e7, unit="MiB"),
+    Setting("DPTRAIN_PROGRESS", "choice", None, "how a rank shows the Trainer's progress: a live bar (tty), "
+            "lines now and then (lines), or not at all (off); set by dptrain run", "lines",
+            choices=("tty", "lines", "off"), default_text="a bar when stderr is a terminal, else lines"),
+)}
+
+
+def _default_text(setting: Setting) -> str:
+    if setting.default_text:
+        return setting.default_text
+    if setting.kind == "switch":
+        return "1" if setting.default else "0"
+    return f"{setting.default:g}"
+
+
+def problem(name: str, raw: str) -> str | None:
+    """What is wrong with ``name=raw``, as the one line :class:`SettingError` carries; None if nothing.
+
+    Example:
+        >>> problem("DPTRAIN_SHM", "maybe")  # doctest: +ELLIPSIS
+        "DPTRAIN_SHM='maybe' is not a switch (...); unset it (default: 1) or set e.g. DPTRAIN_SHM=0"
+    """
+    setting = SETTINGS[name]
+    if not raw.strip():
+        return None
+    try:
+        setting.parse(raw.strip())
+    except ValueError:
+        return (f"{name}={raw!r} is not {setting.what()}; unset it (default: {_default_text(setting)}) "
+                f"or set e.g. {name}={setting.example}")
+    return None
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The value of the ``DPTRAIN_*`` variable ``name`` (its default when unset or empty).
+
+    Args:
+        name: a key of :data:`SETTINGS`.
+        environ: where to read it; default ``os.environ``.
+
+    Raises:
+        SettingError: the variable holds a value it cannot take (one line: see
+            [Note: one place for the settings]).
+
+    Example:
+        >>> get("DPTRAIN_HEARTBEAT_S", {"DPTRAIN_HEARTBEAT_S": "0.5"})
+        0.5
+    """
+    setting = SETTINGS[name]
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
+    if not raw:
+        return setting.default
+    try:
+        return setting.parse(raw)
+    except ValueError:
+        pass
+    _install_hook()
+    raise SettingError(problem(name, raw)) from None
+
+
+def default(name: str) -> Any:
+    """What ``name`` is when it is not set (for the modules that name the default)."""
+    return SETTINGS[name].default
+
+
+def check_all(environ: Mapping[str, str] | None = None) -> None:
+    """Read every variable of :data:`SETTINGS` once; raise :class:`SettingError` for the first bad one.
+
+    The message is that variable's one line, followed by the names of any other bad ones.
+    """
+    environ = os.environ if environ is None else environ
+    bad = [text for name in SETTINGS if (text := problem(name, environ.get(name, ""))) is not None]
+    if not bad:
+        return
+    more = "" if len(bad) == 1 else f" (also wrong: {', '.join(t.split('=', 1)[0] for t in bad[1:])})"
+    _install_hook()
+    raise SettingError(bad[0] + more)
+
+
+# -- an uncaught SettingError as its one line ------------------------------------------------
+_previous_hook: Callable[..., Any] | None = None  # the hook ours replaced (set once: never a loop of two)
+
+
+def _debugging() -> bool:
+    try:
+        return bool(get("DPTRAIN_DEBUG"))
+    except SettingError:  # DPTRAIN_DEBUG itself is what is wrong
+        return False
+
+
+def _hook(etype: type, exc: BaseException, tb: Any) -> None:
+    if not isinstance(exc, SettingError) or _debugging():
+        (_previous_hook or sys.__excepthook__)(etype, exc, tb)
+        return
+    rank = os.environ.get("RANK")  # the launcher's word, for the message only
+    print(f"dptrain{f' (rank {rank})' if rank else ''}: error: {exc}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _install_hook() -> None:
+    """Print an uncaught :class:`SettingError` as its one line (installed at the first one raised)."""
+    global _previous_hook
+    if _previous_hook is None and sys.excepthook is not _hook:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _hook
