@@ -24,14 +24,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import io
 import os
 import pickle
 import re
+import secrets
 import shutil
+import stat
 from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
+
+from dptrain import _torch_version, env
 
 __all__ = [
     "CheckpointError",
@@ -63,7 +68,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is truncated, corrupt, holds something it must not, or cannot be written."""
 
 
-class CheckpointSpaceError(CheckpointError, OSError):
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a checkpoint failed (the file already at its path, if any, is intact); ``errno`` says why when known."""
+
+
+class CheckpointSpaceError(CheckpointWriteError):
     """The disk is full: the checkpoint was not written (the previous files are intact)."""
 
 
@@ -122,27 +131,120 @@ def _mb(n: float) -> str:
     return f"{int(n)} bytes"
 
 
-def _no_space(path: str, needed: int, free: int) -> CheckpointSpaceError:
+def _no_space(path: str, needed: int, free: int, code: int = errno.ENOSPC) -> CheckpointSpaceError:
+    what = "disk quota exceeded" if code == errno.EDQUOT else "no space left on device"
     err = CheckpointSpaceError(
-        f"no space left on device: writing {path!r} needs about {_mb(needed)} but "
+        f"{what}: writing {path!r} needs about {_mb(needed)} but "
         f"{os.path.dirname(os.path.abspath(path))!r} has {_mb(free)} free; nothing was written and the files "
-        f"already there are kept. Free some space, or write checkpoints elsewhere"
+        f"already there are kept. Free some space{' under your quota' if code == errno.EDQUOT else ''}, or write "
+        f"checkpoints elsewhere"
     )
-    err.errno = errno.ENOSPC
+    err.errno = code
     return err
 
 
-def _looks_like_full_disk(exc: BaseException, directory: str, needed: int) -> bool:
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    # torch.save reports a short write as a RuntimeError ("file write failed",
-    # "iostream error"); ask the filesystem whether it is full.
+def _looks_like_full_disk(directory: str, needed: int) -> bool:
+    # torch.save reports a short write as a RuntimeError ("unexpected pos", "file write
+    # failed") without the OS's reason; ask the filesystem whether it is full.
     with contextlib.suppress(OSError):
         return shutil.disk_usage(directory).free < max(needed, 1) + 2**20
     return False
 
 
+# [Note: the temporary file]
+# The temporary's name is predictable (``.<name>.tmp-<pid>``, so that the clean-up at start
+# finds what a killed writer left). In a directory that others can write, someone could
+# plant a symlink under that name, pointing at a file of the writer's (root's), and have
+# the checkpoint written through it. So the temporary is created by the open itself
+# (O_CREAT | O_EXCL | O_NOFOLLOW, as the shared-memory segments are): an entry already of
+# that name -- a link, a leftover -- makes the open fail rather than be followed or reused,
+# and the writer takes a random name beside it. The bytes then go through that descriptor
+# (torch.save takes the file object), never through the name again; the rename moves the
+# directory entry itself, which follows no link.
+
+_NEW_FILE = os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class _TempFile(io.FileIO):
+    """The file a checkpoint is written through: it counts the bytes that reached it and keeps
+    the first OSError, which torch.save reports only as "unexpected pos 704 vs 598"."""
+
+    written = 0
+    failure: OSError | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):  # a short write (a disk filling up) is finished or fails here
+                done += os.write(self.fileno(), view[done:])
+        except OSError as exc:
+            self.failure = self.failure or exc
+            raise
+        finally:
+            self.written += done
+        return done
+
+
+def _open_new(path: str, flags: int) -> int:
+    return os.open(path, flags | _NEW_FILE, 0o666)
+
+
+def _open_temp(directory: str, name: str) -> _TempFile:
+    """A file that this call creates next to ``name`` (see [Note: the temporary file])."""
+    base = os.path.join(directory, f".{name}{_TMP_MARK}{os.getpid()}")
+    candidate = base
+    for _ in range(8):
+        try:
+            return _TempFile(candidate, "xb", opener=_open_new)
+        except FileExistsError:
+            candidate = f"{base}-{secrets.token_hex(4)}"
+    raise FileExistsError(errno.EEXIST, "every temporary name tried already exists", base)
+
+
+_WRITABLE = "Make the directory writable for this user (ls -ld shows owner and mode), or write checkpoints elsewhere"
+#: What an OSError of a write means, and what to do about it.
+_WRITE_FAILURES = {
+    errno.EACCES: ("permission denied", _WRITABLE),
+    errno.EPERM: ("the operation is not permitted", _WRITABLE),
+    errno.EROFS: ("the filesystem is read-only", "Write checkpoints to a writable filesystem"),
+    errno.EIO: ("an I/O error: the disk or the network filesystem failed", "Check the disk and the mount, then retry"),
+    errno.EFBIG: ("the file would be larger than this process may write (ulimit -f) or the filesystem allows",
+                  "Raise the limit, or write checkpoints to another filesystem"),
+}
+
+
+def _write_failed(path: str, existed: bool, exc: BaseException, fh: _TempFile | None, nbytes: int
+                  ) -> CheckpointWriteError:
+    """The error for a write of ``path`` that failed: which file, why, and that nothing was replaced."""
+    directory = os.path.dirname(os.path.abspath(path))
+    cause = (fh.failure if fh is not None else None) or (exc if isinstance(exc, OSError) else None)
+    code = getattr(cause, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT) or (cause is None and _looks_like_full_disk(directory, nbytes)):
+        free = 0
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(directory).free
+        return _no_space(path, nbytes, free, code or errno.ENOSPC)
+    if code in _WRITE_FAILURES:
+        why, fix = _WRITE_FAILURES[code]
+        why = f"{why} ({errno.errorcode[code]})"
+    else:
+        first = str(cause or exc).strip().splitlines()
+        why = f"{type(cause or exc).__name__}: {first[0] if first else ''}"
+        fix = "Check the directory and the disk, or write checkpoints elsewhere"
+    got = fh.written if fh is not None else 0
+    where = (f" after {_mb(got)}" + (f" of about {_mb(nbytes)}" if nbytes > got else "")) if got else ""
+    kept = f"the file already at {path!r} is intact" if existed else f"no file was created at {path!r}"
+    err = CheckpointWriteError(
+        f"writing {path!r} failed{where}: {why}. Nothing was replaced: {kept}, and the other files in "
+        f"{directory!r} are untouched. {fix}"
+    )
+    err.errno = code
+    return err
+
+
 def _atomic_write(path: str, write, nbytes: int = 0) -> str:
+    """Write ``path`` through ``write(file)`` so that it is always complete or untouched."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -151,21 +253,21 @@ def _atomic_write(path: str, write, nbytes: int = 0) -> str:
         free = shutil.disk_usage(directory).free
     if free is not None and nbytes > free:
         raise _no_space(path, nbytes, free)  # fail before writing a single byte
-    tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARK}{os.getpid()}")
+    existed = os.path.lexists(path)
     try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            fh.flush()
+        fh = _open_temp(directory, os.path.basename(path))
+    except OSError as exc:
+        raise _write_failed(path, existed, exc, None, nbytes) from exc
+    try:
+        with fh:
+            write(fh)
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        os.replace(fh.name, path)
     except BaseException as exc:
         with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(exc, Exception) and not isinstance(exc, CheckpointError) and _looks_like_full_disk(exc, directory, nbytes):
-            free = 0
-            with contextlib.suppress(OSError):
-                free = shutil.disk_usage(directory).free
-            raise _no_space(path, nbytes, free) from exc
+            os.remove(fh.name)
+        if isinstance(exc, (OSError, RuntimeError)) and not isinstance(exc, CheckpointError):
+            raise _write_failed(path, existed, exc, fh, nbytes) from exc
         raise
     _fsync_dir(directory)
     return path
@@ -174,9 +276,10 @@ def _atomic_write(path: str, write, nbytes: int = 0) -> str:
 def save(obj: Any, path: str | os.PathLike) -> str:
     """Write ``obj`` with ``torch.save`` so that ``path`` is always complete or untouched.
 
-    The bytes go to a temporary file next to ``path`` (same filesystem, so the rename is
-    atomic), which is flushed and fsynced, renamed over ``path``, and the directory is
-    fsynced. Call it from one rank (the Trainer uses rank 0).
+    The bytes go to a new temporary file next to ``path`` (same filesystem, so the rename is
+    atomic; created so that it follows no link, see [Note: the temporary file]), which is
+    fsynced, renamed over ``path``, and the directory is fsynced. Call it from one rank (the
+    Trainer uses rank 0).
 
     Args:
         obj: tensors and (nested) dicts/lists/tuples of tensors, numbers, strings, None.
@@ -190,19 +293,39 @@ def save(obj: Any, path: str | os.PathLike) -> str:
             ``weights_only=True`` (the message names the entry); nothing is written.
         CheckpointSpaceError: the disk is full (also an ``OSError`` with errno ENOSPC); the
             message names the file, the bytes needed and the space free. Nothing is written.
-        OSError: the write failed; the previous file at ``path`` is intact.
+        CheckpointWriteError: the write failed, before or midway (also an ``OSError`` with
+            the OS's errno); the message names the file and why (permission, a read-only
+            filesystem, an I/O error, ...). The file already at ``path`` is intact.
 
     Example:
         >>> checkpoint.save({"model": model.state_dict(), "epoch": 3}, "ckpt/last.pt")
     """
     _check_loadable(obj)
-    return _atomic_write(path, lambda tmp: torch.save(obj, tmp), nbytes=_nbytes(obj))
+    return _atomic_write(path, lambda fh: torch.save(obj, fh), nbytes=_nbytes(obj))
+
+
+# [Note: weights_only on older torch]
+# ``torch.load(weights_only=True)`` is meant to build only tensors and plain containers, but
+# torch releases before 2.10 have known ways around it through which a crafted file runs
+# code: CVE-2025-32434 (GHSA-53q9-r3pm-6pq6, torch < 2.6.0) and CVE-2026-24747
+# (GHSA-63cw-57p8-fm3p, memory corruption in the weights_only unpickler, torch < 2.10.0;
+# sources: the CVE records and PyTorch's advisories). dptrain supports torch 2.4 and newer,
+# so on those releases a load says once that a checkpoint from someone else is not safe.
+_WEIGHTS_ONLY_FIXED = (2, 10)
+_WEIGHTS_ONLY_BYPASSED = (
+    "torch {} is older than 2.10: its torch.load(weights_only=True), which dptrain loads checkpoints with, has "
+    "known bypasses through which a crafted file runs code (CVE-2025-32434 before torch 2.6, CVE-2026-24747 before "
+    "2.10). Load only checkpoints that you or people you trust wrote, or upgrade torch (pip install 'torch>=2.10')"
+)
 
 
 def load(path: str | os.PathLike, map_location: Any = None) -> Any:
     """Read a file written by :func:`save` (or any ``torch.save`` of tensors and primitives).
 
-    Always ``weights_only=True``: a checkpoint can never run code on load.
+    Always ``weights_only=True``: a checkpoint can only hold tensors and plain containers.
+    On torch older than 2.10 that is not a guarantee against a crafted file (see [Note:
+    weights_only on older torch]); the first load says so once. Only a regular file is
+    read: a FIFO or a device under a checkpoint's name would block or never end.
 
     Args:
         path: the file.
@@ -211,46 +334,94 @@ def load(path: str | os.PathLike, map_location: Any = None) -> Any:
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        CheckpointError: the file is truncated, corrupt, not a torch checkpoint, or holds
-            objects other than tensors and primitives; the message names the file.
+        CheckpointError: the file is not a regular file, is truncated, corrupt, not a torch
+            checkpoint, or holds objects other than tensors and primitives; the message
+            names the file.
 
     Example:
         >>> state = checkpoint.load("ckpt/last.pt", map_location=dptrain.device())
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist; check the path (or the checkpoint directory)")
-    if os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path!r} is a directory; pass a checkpoint file (e.g. ckpt-e0003-s000000120.pt)")
-    size = os.path.getsize(path)
+    with _open_regular(path) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if _torch_version.older_than(_WEIGHTS_ONLY_FIXED):  # once per process, from rank 0, at the caller's line
+            env._warn_once_main(_WEIGHTS_ONLY_BYPASSED.format(torch.__version__))
+        try:
+            return torch.load(fh, map_location=map_location, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - torch raises many kinds (zip, struct, EOF, unicode) on bad bytes
+            # Said in our words, whole: torch's texts name its internals and run on for lines.
+            shape = _damage(fh, size)
+            if shape is None and isinstance(exc, pickle.UnpicklingError):
+                raise CheckpointError(_unpickling_problem(path, size, exc)) from None
+            what = shape or f"is corrupt: part of its content does not decode (torch.load raised {type(exc).__name__})"
+            raise CheckpointError(
+                f"checkpoint {path!r} ({size} bytes) {what}, so it cannot be read. "
+                f"Resume from an earlier checkpoint (see dptrain.checkpoint.list_checkpoints)"
+            ) from None
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def _not_regular(mode: int) -> str | None:
+    """What a file of ``mode`` is when it is not a regular file (None when it is one)."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((f"is {name}, not a regular file" for test, name in _KINDS if test(mode)), "is not a regular file")
+
+
+#: Open for reading without waiting: a FIFO's open waits for a writer, which never comes.
+_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
+
+
+def _open_regular(path: str) -> io.BufferedReader:
+    """``path`` open for reading, refused unless it is a regular file (checked on the open
+    descriptor, so what is read is what was checked): a FIFO or a device would wait forever
+    or never end."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises many kinds (zip, struct, EOF, unicode) on bad bytes
-        # Said in our words, whole: torch's texts name its internals and run on for lines.
-        shape = _damage(path, size)
-        if shape is None and isinstance(exc, pickle.UnpicklingError):
-            raise CheckpointError(_unpickling_problem(path, size, exc)) from None
-        what = shape or f"is corrupt: part of its content does not decode (torch.load raised {type(exc).__name__})"
-        raise CheckpointError(
-            f"checkpoint {path!r} ({size} bytes) {what}, so it cannot be read. "
-            f"Resume from an earlier checkpoint (see dptrain.checkpoint.list_checkpoints)"
-        ) from None
+        fd = os.open(path, _READ)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist; check the path (or the checkpoint directory)") from None
+    try:
+        other = _not_regular(os.fstat(fd).st_mode)
+        if other:
+            raise CheckpointError(f"checkpoint {path!r} {other}, so it is not read; pass a checkpoint file "
+                                  f"(e.g. ckpt-e0003-s000000120.pt)")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def _unusable(path: str) -> str | None:
+    """Why ``path`` cannot be a complete checkpoint, seen without unpickling it (a few kB read,
+    whatever its size); None when it may be one. For deciding what counts, never for loading."""
+    try:
+        fd = os.open(path, _READ)
+    except OSError as exc:
+        return f"cannot be opened ({exc.strerror or exc})"
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        return _not_regular(st.st_mode) or _damage(fh, st.st_size)
 
 
 _ZIP_START, _ZIP_END = b"PK\x03\x04", b"PK\x05\x06"  # a zip's first record; its end-of-directory record
 _ZIP_END_SPAN = 22 + 65535  # the end record and the longest comment that may follow it
 
 
-def _damage(path: str, size: int) -> str | None:
-    """What is visibly wrong with a checkpoint file that torch cannot read, or None."""
-    with open(path, "rb") as fh:
-        head = fh.read(len(_ZIP_START))
-        if head != _ZIP_START:
-            # torch.save writes a zip archive (since torch 1.6); this one starts otherwise.
-            return "does not begin as a PyTorch checkpoint does (a zip archive): it is another kind of file, or its start is damaged"
-        fh.seek(max(0, size - _ZIP_END_SPAN))
-        if _ZIP_END not in fh.read():
-            return "is truncated: its end is missing (a write or a copy that was interrupted)"
+def _damage(fh, size: int) -> str | None:
+    """What is visibly wrong with an open checkpoint file that torch cannot read, or None."""
+    fh.seek(0)
+    head = fh.read(len(_ZIP_START))
+    if head != _ZIP_START:
+        # torch.save writes a zip archive (since torch 1.6); this one starts otherwise.
+        return "does not begin as a PyTorch checkpoint does (a zip archive): it is another kind of file, or its start is damaged"
+    fh.seek(max(0, size - _ZIP_END_SPAN))
+    if _ZIP_END not in fh.read():
+        return "is truncated: its end is missing (a write or a copy that was interrupted)"
     return None
 
 
@@ -426,13 +597,15 @@ def save_safetensors(state: nn.Module | Mapping[str, torch.Tensor], path: str | 
     Example:
         >>> checkpoint.save_safetensors(trainer.model, "model.safetensors")
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     sd = unwrap_model(state).state_dict() if isinstance(state, nn.Module) else state
     # safetensors refuses tensors that share memory; independent contiguous copies are exact.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in strip_prefix(sd).items() if isinstance(v, torch.Tensor)}
-    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    return _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta or None))
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()} or None
+    # Built in memory and written through the file this process created (see [Note: the
+    # temporary file]): safetensors' own writer takes a name, which a link could redirect.
+    return _atomic_write(path, lambda fh: fh.write(save(tensors, metadata=meta)))
 
 
 def load_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:

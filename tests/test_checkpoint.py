@@ -105,13 +105,12 @@ _WRITER = textwrap.dedent(
         checkpoint.save({"v": i, "t": torch.full((250_000,), float(i))}, path)  # 1 MB
     real_save, real_replace = torch.save, os.replace
 
-    def half_save(obj, f):  # half of the bytes reach the temporary file
+    def half_save(obj, f):  # half of the bytes reach the temporary file (the file object save opened)
         buf = io.BytesIO()
         real_save(obj, buf)
-        with open(f, "wb") as fh:
-            fh.write(buf.getvalue()[: len(buf.getvalue()) // 2])
-            fh.flush()
-        block(f"mid-write {f}")
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        f.flush()
+        block(f"mid-write {f.name}")
 
     def no_rename(src, dst):  # the temporary is whole and fsynced, not yet renamed
         block(f"before-rename {src}")

@@ -159,24 +159,28 @@ def test_fit_single_process_history_best_and_export(tmp_path):
     assert any(name.startswith("events") for name in os.listdir(tmp_path / "tb"))
 
 
-def test_fresh_run_moves_an_old_runs_checkpoints_aside_in_one_line_and_one_folder(tmp_path, capsys):
+def test_fresh_runs_move_each_earlier_run_aside_in_one_line_and_delete_nothing(tmp_path, capsys):
     cdir = str(tmp_path / "ck")
     _trainer(cdir).fit(3)  # an old, longer run: steps 16, 32, 48
     capsys.readouterr()
-    for run in range(2):  # `make demo` twice more: one line each time, and no pile of folders
+    for run in range(2):  # `make demo` twice more: one line each time
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # said as a dptrain line, not a Python warning with file and line
             t = _trainer(cdir)
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"dptrain: checkpoint_dir {cdir!r} held checkpoints of an "), err
-        assert "previous-run" in err and "resume='auto'" in err
+        assert "previous-run-" in err and "nothing is deleted" in err and "resume='auto'" in err
         t.fit(1 if run == 0 else 2)
     # the newest run's checkpoints are the newest; a resume can no longer pick an old run's step 48
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(cdir)] == [
         "ckpt-e0001-s000000016.pt", "ckpt-e0002-s000000032.pt"]
-    assert sorted(d for d in os.listdir(cdir) if os.path.isdir(os.path.join(cdir, d))) == ["previous-run"]
-    # only the run just before is kept: the 1-epoch one
-    assert sorted(os.listdir(os.path.join(cdir, "previous-run"))) == ["best.pt", "ckpt-e0001-s000000016.pt"]
+    # both earlier runs are kept, each in a folder named for when it ran, oldest first
+    folders = sorted(d for d in os.listdir(cdir) if os.path.isdir(os.path.join(cdir, d)))
+    assert len(folders) == 2 and all(d.startswith("previous-run-2") for d in folders), folders
+    assert [sorted(os.listdir(os.path.join(cdir, d))) for d in folders] == [
+        ["best.pt", "ckpt-e0001-s000000016.pt", "ckpt-e0002-s000000032.pt", "ckpt-e0003-s000000048.pt"],
+        ["best.pt", "ckpt-e0001-s000000016.pt"]]
+    assert "2 earlier runs are kept" in err and f"resume={os.path.join(cdir, folders[1], 'ckpt-e0001-s000000016.pt')!r}" in err
 
 
 def test_evaluate_matches_a_plain_loop_and_test_uses_best_model(tmp_path):

@@ -89,10 +89,12 @@ def test_auto_resume_skips_a_corrupt_newest_checkpoint_and_keeps_it(tmp_path, ca
         fh.truncate(os.path.getsize(newest) // 2)
     t = _trainer(cdir, resume="auto")
     err = capsys.readouterr().err
-    assert f"skipping checkpoint {newest!r}" in err and "is truncated: its end is missing" in err and "left in place" in err
+    assert f"skipping checkpoint {newest!r}" in err and "is truncated: its end is missing" in err and "not deleted" in err
     assert "PytorchStreamReader" not in err and "miniz" not in err  # said whole, in our words
     assert t.resumed_from == checkpoint.checkpoint_path(cdir, 1, 16) and t.epoch == 1
-    assert os.path.exists(newest)
+    # kept, out of the way: the run's next checkpoint at step 32 must not replace it
+    aside = os.path.join(cdir, "set-aside", os.path.basename(newest))
+    assert f"moved {newest!r} to {aside!r}" in err and os.path.getsize(aside) > 0
     t.fit(2)  # and training goes on from there
 
 

@@ -47,15 +47,16 @@ def _arm_mid_write(trainer, marker: str, name: str) -> None:
     real_save = torch.save
 
     def save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)) and os.path.basename(f).startswith(f".{name}.tmp-"):
+        # checkpoint.save hands torch.save the temporary file it opened (named .<name>.tmp-<pid>)
+        tmp = getattr(f, "name", f)
+        if isinstance(tmp, (str, os.PathLike)) and os.path.basename(tmp).startswith(f".{name}.tmp-"):
             buf = io.BytesIO()
             real_save(obj, buf, *args, **kwargs)
             data = buf.getvalue()
-            with open(f, "wb") as fh:
-                fh.write(data[: len(data) // 2])
-                fh.flush()
-                os.fsync(fh.fileno())
-            _die(marker, where="checkpoint write", tmp=os.fspath(f), written=len(data) // 2, total=len(data),
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            _die(marker, where="checkpoint write", tmp=os.fspath(tmp), written=len(data) // 2, total=len(data),
                  step=trainer.global_step)
         return real_save(obj, f, *args, **kwargs)
 

@@ -14,13 +14,33 @@ the checkpoint (the commit point: its atomic rename makes the set complete) and 
 others how that went. A failure anywhere -- a full disk, an unwritable file -- is raised on
 every rank with the same message, so no rank waits for a peer that gave up, and nothing is
 pruned: the newest complete checkpoint stays.
+
+[Note: whose files these are]
+A checkpoint directory can hold files that are not this run's: an earlier run's checkpoints,
+a file cut short, something else under a checkpoint's name. A run never deletes them, and
+none of them decides what it keeps or resumes from:
+
+* A fresh start (no resume), or a resume from a file outside the directory, moves an
+  earlier run's checkpoints, their shard files and ``best.pt`` into a folder of their own,
+  ``previous-run-<when>`` (when: the time of its newest file), one folder per earlier run.
+  A job the launcher restarted resumes, so it never moves its own checkpoints.
+* A resume moves the checkpoints newer than the one it continues from -- files that could not
+  be read, or a run that went further from an earlier point -- into ``set-aside/``.
+* Pruning counts only this run's readable checkpoints (those it wrote, and older ones that
+  look whole), never deletes the one just written, and first moves into ``set-aside/`` any
+  file under a checkpoint's name that is ahead of this run or, when ``keep_last`` counts,
+  cannot be read.
+
+Only rank 0 moves files, each move with a one-line notice; a fresh start's move is agreed with
+the other ranks (they wait for it, and raise the same error if it fails).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
+import stat
 import sys
+import time
 from typing import Any, Mapping
 
 from dptrain import checkpoint as ckpt
@@ -36,8 +56,10 @@ CHECKPOINT_FORMAT = "dptrain.trainer/3"
 _FORMAT_V2 = "dptrain.trainer/2"
 _FORMAT_V1 = "dptrain.trainer/1"
 BEST_NAME = "best.pt"
-#: Where a fresh run moves an earlier run's checkpoints (only the latest earlier run is kept).
+#: Where a fresh run moves an earlier run's checkpoints: ``previous-run-<when>``, one folder per run.
 PREVIOUS_RUN = "previous-run"
+#: Where files under a checkpoint's name that are not this run's go (see [Note: whose files these are]).
+SET_ASIDE = "set-aside"
 
 
 def notice(message: str) -> None:
@@ -56,8 +78,23 @@ def _agree(error: tuple[str, str] | None) -> tuple[str, str] | None:
     return (kind, text if len(outcomes) == 1 else f"rank {r}: {text}")
 
 
+def _order(path: str) -> tuple[int, int] | None:
+    """(step, epoch) of a checkpoint's name, the order in which a run writes them; None for another name."""
+    m = ckpt._NAME_RE.match(os.path.basename(path))
+    return (int(m.group(2)), int(m.group(1))) if m else None
+
+
+def _tagged(name: str, tag: str) -> str:
+    root, ext = os.path.splitext(name)
+    return f"{root}{tag}{ext}"
+
+
 def _describe(exc: BaseException) -> tuple[str, str]:
-    kind = "space" if isinstance(exc, ckpt.CheckpointSpaceError) else "error"
+    # The kind travels to the other ranks, which raise the same class with the same errno.
+    if isinstance(exc, ckpt.CheckpointWriteError):
+        kind = f"{'space' if isinstance(exc, ckpt.CheckpointSpaceError) else 'write'}:{exc.errno or 0}"
+    else:
+        kind = "error"
     return kind, (str(exc) if isinstance(exc, ckpt.CheckpointError) else f"{type(exc).__name__}: {exc}")
 
 
@@ -75,6 +112,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
+        self._ours: set[str] = set()  # names of this run's checkpoints known to be readable
 
     # -- layout -----------------------------------------------------------------------
     def path_for(self, epoch: int, step: int) -> str:
@@ -87,12 +125,16 @@ class Checkpointer:
         return os.path.join(self.directory, BEST_NAME) if self.directory else None
 
     def newest(self) -> str | None:
-        return ckpt.latest_checkpoint(self.directory) if self.directory else None
+        """The newest checkpoint of the directory that looks whole (see ``checkpoint._unusable``), or None."""
+        if not self.directory:
+            return None
+        return next((p for p in reversed(ckpt.list_checkpoints(self.directory)) if ckpt._unusable(p) is None), None)
 
     # -- start of a run ---------------------------------------------------------------
     def prepare(self) -> None:
         """Clean what an interrupted save left and check, before any training, that the
-        directory can be written (every rank raises the same error if not)."""
+        directory can be written (every rank raises the same error if not); warn when other
+        users can write it too."""
         if not self.directory:
             return
         error = None
@@ -100,10 +142,9 @@ class Checkpointer:
             try:
                 os.makedirs(self.directory, exist_ok=True)
                 ckpt.remove_stale_temporaries(self.directory)
-                probe = os.path.join(self.directory, f".write-probe{ckpt._TMP_MARK}{os.getpid()}")
-                with open(probe, "wb") as fh:
-                    fh.write(b"dptrain")
-                os.remove(probe)
+                with ckpt._open_temp(self.directory, "write-probe") as probe:  # follows no planted link
+                    probe.write(b"dptrain")
+                os.remove(probe.name)
             except OSError as exc:
                 error = (
                     f"checkpoint_dir {self.directory!r} cannot be written ({type(exc).__name__}: {exc.strerror or exc}); "
@@ -112,6 +153,25 @@ class Checkpointer:
         error = comm.broadcast_object(error, src=0)
         if error:
             raise on_every_rank(ckpt.CheckpointError(error))
+        if self.rank == 0:
+            self._warn_if_others_can_write()
+
+    def _warn_if_others_can_write(self) -> None:
+        # Someone who can write the directory can plant a checkpoint that a resume loads (on
+        # torch < 2.10 one that runs code, see checkpoint.py's [Note: weights_only on older
+        # torch]) or replace one; the temporary files are safe from them, the rest is not.
+        st = os.stat(self.directory)
+        if st.st_mode & stat.S_IWOTH:
+            who = f"every user ({stat.filemode(st.st_mode)})"
+        elif hasattr(os, "geteuid") and st.st_uid not in (os.geteuid(), 0):
+            who = f"its owner, uid {st.st_uid}, another user"
+        else:
+            return
+        notice(
+            f"checkpoint_dir {self.directory!r} can be written by {who}: someone else could put a file there that a "
+            f"resume loads, or replace a checkpoint. Use a directory that only you can write (chmod o-w, or another "
+            f"checkpoint_dir)"
+        )
 
     # -- saving -----------------------------------------------------------------------
     def save(self, states: Mapping[str, Any], path: str | None = None, *, epoch: int = 0, step: int = 0,
@@ -145,8 +205,8 @@ class Checkpointer:
         if error is None and self.rank == 0:
             try:
                 ckpt.save(main, path)
-                if prune and self.directory and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.directory):
-                    ckpt.prune_checkpoints(self.directory, self.keep_last)
+                if prune and self._holds(path):
+                    self._prune(path)
             except Exception as exc:  # noqa: BLE001 - broadcast to the other ranks below
                 kind, text = _describe(exc)
                 error = (kind, text if self.world_size == 1 else f"rank 0: {text}")
@@ -161,12 +221,72 @@ class Checkpointer:
             newest = self.newest()
             kept = f" The newest complete checkpoint is {newest!r}." if newest else ""
             kind, text = error
-            err_type = ckpt.CheckpointSpaceError if kind == "space" else ckpt.CheckpointError
+            cls, _, code = kind.partition(":")
+            err_type = {"space": ckpt.CheckpointSpaceError, "write": ckpt.CheckpointWriteError}.get(
+                cls, ckpt.CheckpointError)
             exc = err_type(f"saving checkpoint {path!r} failed ({text}).{kept}")
-            if kind == "space":
-                exc.errno = 28  # ENOSPC, as the OSError it also is
+            if code:
+                exc.errno = int(code) or None  # as the OSError it also is
             raise on_every_rank(exc)
+        self._ours.add(os.path.basename(path))
         return path
+
+    def _holds(self, path: str) -> bool:
+        """Whether ``path`` is a file directly in the checkpoint directory."""
+        return bool(self.directory) and (
+            os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(self.directory))
+
+    def _prune(self, written: str) -> None:
+        """Rank 0, after writing ``written``: move aside what is not this run's, then delete this
+        run's oldest checkpoints beyond ``keep_last`` (see [Note: whose files these are])."""
+        mine = _order(written)  # None: a name of the caller's (save_checkpoint(path)), not counted
+        ours = []
+        for path in ckpt.list_checkpoints(self.directory):
+            name = os.path.basename(path)
+            if name == os.path.basename(written):
+                continue
+            if name in self._ours:
+                ours.append(path)
+                continue
+            ahead = mine is not None and _order(path) > mine
+            why = ckpt._unusable(path) if ahead or self.keep_last > 0 else None
+            if why is None and ahead:
+                why = f"is ahead of this run (step {_order(path)[0]}; this run just wrote step {mine[0]})"
+            if why:
+                self._set_aside(path, why)
+                continue
+            self._ours.add(name)
+            ours.append(path)
+        if self.keep_last > 0:
+            others = self.keep_last - 1 if mine is not None else self.keep_last
+            for path in ours[: max(0, len(ours) - others)]:
+                for part in ckpt._shards_of(self.directory, os.path.basename(path)) + [path]:  # the checkpoint last
+                    try:
+                        os.remove(part)
+                    except FileNotFoundError:
+                        pass
+                self._ours.discard(os.path.basename(path))
+
+    def _set_aside(self, path: str, why: str) -> None:
+        """Rank 0: move a file under a checkpoint's name that is not this run's (and its shard
+        files) into set-aside/, with a notice. A failure leaves it in place, said too."""
+        folder = os.path.join(self.directory, SET_ASIDE)
+        name = os.path.basename(path)
+        parts = ckpt._shards_of(self.directory, name) + [path]
+        try:
+            os.makedirs(folder, exist_ok=True)
+            tag, n = "", 1
+            while any(os.path.lexists(os.path.join(folder, _tagged(os.path.basename(p), tag))) for p in parts):
+                n += 1
+                tag = f".{n}"
+            for part in parts:
+                os.replace(part, os.path.join(folder, _tagged(os.path.basename(part), tag)))
+        except OSError as exc:
+            notice(f"{path!r} {why}; moving it aside failed ({exc.strerror or exc}), so it is left in place, not "
+                   f"counted by keep_last")
+            return
+        notice(f"moved {path!r} to {os.path.join(folder, _tagged(name, tag))!r} (nothing is deleted): it {why}. "
+               f"It is not counted by keep_last, and a resume does not pick it")
 
     def save_best(self, payload: dict[str, Any]) -> None:
         """Write ``best.pt`` (rank 0; not collective: the best model is known on every rank)."""
@@ -187,7 +307,8 @@ class Checkpointer:
         checkpoints of the directory, newest first (none: a loud notice). None: like
         ``"auto"`` when the launcher restarted the job, else a fresh start. False: a fresh
         start. A fresh start in a directory that holds an earlier run's checkpoints moves
-        them aside first, so the two runs never mix.
+        them aside first, so the two runs never mix (see [Note: whose files these are]).
+        Collective.
         """
         if resume is None:
             # A job the launcher restarted continues where it stopped -- if it keeps checkpoints.
@@ -208,31 +329,75 @@ class Checkpointer:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"resume={path!r}: no such checkpoint file; check the path (or pass resume='auto')")
             return [path]
-        self._move_aside_earlier_run()
+        self._move_aside_earlier_run("starting fresh")
         return []
 
-    def _move_aside_earlier_run(self) -> None:
-        if not (self.directory and self.rank == 0 and ckpt.list_checkpoints(self.directory)):
+    def _move_aside_earlier_run(self, doing: str) -> None:
+        """Collective: rank 0 moves an earlier run's files into previous-run-<when>/; every rank
+        raises the same error if that fails (a run must not mix with another's files)."""
+        if not self.directory:
             return
-        # A fresh run must not mix with an old one's files (the newest by step would win a
-        # later resume, and pruning would delete the new ones): move them aside, into one
-        # folder that holds only the latest earlier run, so running again and again (`make
-        # demo` twice) never piles up copies.
-        aside = os.path.join(self.directory, PREVIOUS_RUN)
-        replaced = os.path.isdir(aside)
-        if replaced:
-            shutil.rmtree(aside)
-        os.makedirs(aside)
-        for old in ckpt.list_checkpoints(self.directory):
-            for part in ckpt._shards_of(self.directory, os.path.basename(old)) + [old]:
-                os.replace(part, os.path.join(aside, os.path.basename(part)))
-        if os.path.exists(self.best_path):
-            os.replace(self.best_path, os.path.join(aside, BEST_NAME))
+        error = None
+        if self.rank == 0:
+            try:
+                self._move_earlier_run(doing)
+            except OSError as exc:
+                error = (
+                    f"checkpoint_dir {self.directory!r} holds an earlier run's checkpoints and moving them aside "
+                    f"failed ({type(exc).__name__}: {exc}); nothing was deleted. Pass another checkpoint_dir, or "
+                    f"resume='auto' to continue that run"
+                )
+        error = comm.broadcast_object(error, src=0)
+        if error:
+            raise on_every_rank(ckpt.CheckpointError(error))
+
+    def _move_earlier_run(self, doing: str) -> None:
+        found = ckpt.list_checkpoints(self.directory)
+        parts = [p for old in found for p in ckpt._shards_of(self.directory, os.path.basename(old)) + [old]]
+        if os.path.lexists(self.best_path):
+            parts.append(self.best_path)
+        if not parts:
+            return
+        # Named for when that run wrote its newest file, so a listing reads as a history.
+        when = time.strftime("%Y%m%dT%H%M%S", time.localtime(max(os.lstat(p).st_mtime for p in parts)))
+        aside, n = os.path.join(self.directory, f"{PREVIOUS_RUN}-{when}"), 1
+        while True:
+            try:
+                os.mkdir(aside)
+                break
+            except FileExistsError:
+                n += 1
+                aside = os.path.join(self.directory, f"{PREVIOUS_RUN}-{when}-{n}")
+        for part in parts:
+            os.replace(part, os.path.join(aside, os.path.basename(part)))
+        kept = sum(1 for d in os.listdir(self.directory) if d.startswith(PREVIOUS_RUN))
+        many = ""
+        if kept > 1:
+            many = f"; {kept} earlier runs are kept in {self.directory!r}, delete those you no longer need"
+        if found:
+            newest = os.path.join(aside, os.path.basename(found[-1]))
+            how = (f"To continue that run instead, pass resume={newest!r}, or move the files back and pass "
+                   f"resume='auto' (the examples' --resume)")
+        else:
+            how = "To keep runs apart, give each its own checkpoint_dir"
         notice(
-            f"checkpoint_dir {self.directory!r} held checkpoints of an earlier run; starting fresh and moving them to "
-            f"{aside!r}{' (replacing the run kept there)' if replaced else ''}. Pass resume='auto' (the examples' "
-            f"--resume) to continue from the newest instead"
+            f"checkpoint_dir {self.directory!r} held checkpoints of an earlier run; {doing}, so they were moved to "
+            f"{aside!r} (nothing is deleted{many}). {how}"
         )
+
+    def _continue_from(self, path: str) -> None:
+        """Collective, once a resume read ``path``: what is newer in the directory goes to set-aside/;
+        a checkpoint from elsewhere starts the directory afresh (see [Note: whose files these are])."""
+        if not self.directory:
+            return
+        if not self._holds(path):
+            self._move_aside_earlier_run(f"resuming from {path!r}, outside it")
+            return
+        self._ours.add(os.path.basename(path))
+        if self.rank == 0 and _order(path) is not None:
+            for newer in ckpt.list_checkpoints(self.directory):
+                if _order(newer) > _order(path):
+                    self._set_aside(newer, f"is newer than {os.path.basename(path)}, which this run resumes from")
 
     # -- loading ----------------------------------------------------------------------
     def read(self, path: str, map_location: Any) -> dict[str, Any]:
@@ -284,10 +449,11 @@ class Checkpointer:
             if error is None:
                 if skipped:
                     notice(f"resuming from {path!r} instead")
+                self._continue_from(path)
                 return path, state
             skipped.append((path, error[1]))
             if len(candidates) > 1:
-                notice(f"skipping checkpoint {path!r}, which cannot be read ({error[1]}); the file is left in place")
+                notice(f"skipping checkpoint {path!r}, which cannot be read ({error[1]}); it is not deleted")
         if not candidates:
             return None, None
         if len(candidates) == 1:
