@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Any, Callable, Mapping
 
-__all__ = ["SETTINGS", "Setting", "SettingError", "get", "default", "problem", "check_all"]
+__all__ = ["SETTINGS", "Setting", "SettingError", "get", "default", "problem", "shown", "check_all"]
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
@@ -41,9 +41,11 @@ class Setting:
     """One ``DPTRAIN_*`` variable.
 
     ``kind`` is ``"seconds"`` or ``"number"`` (a float in ``low``..``high``; ``low`` itself
-    only with ``low_ok``), ``"switch"`` (a bool: 1/true/yes/on or 0/false/no/off) or
-    ``"choice"`` (one of ``choices``, any case). ``default`` is what :func:`get` returns when
-    the variable is unset; ``default_text`` says it in words where it is None.
+    only with ``low_ok``), ``"switch"`` (a bool: 1/true/yes/on or 0/false/no/off),
+    ``"choice"`` (one of ``choices``, any case), ``"file"`` (the path of a file that exists,
+    ``~`` expanded) or ``"secret"`` (text of at least ``low`` characters, never shown in a
+    message). ``default`` is what :func:`get` returns when the variable is unset;
+    ``default_text`` says it in words where it is None.
     """
 
     name: str
@@ -64,6 +66,10 @@ class Setting:
             return "a switch (1, true, yes, on or 0, false, no, off)"
         if self.kind == "choice":
             return "one of " + ", ".join(self.choices)
+        if self.kind == "file":
+            return "a file that exists"
+        if self.kind == "secret":
+            return f"a secret of at least {self.low:.0f} characters"
         above = f"{self.low:g} or more" if self.low_ok else f"above {self.low:g}"
         return f"a number of {self.unit}, {above} and at most {self.high:.0f}"
 
@@ -77,6 +83,14 @@ class Setting:
             if raw.lower() in self.choices:
                 return raw.lower()
             raise ValueError(raw)
+        if self.kind == "file":
+            if os.path.isfile(os.path.expanduser(raw)):
+                return raw
+            raise ValueError(raw)
+        if self.kind == "secret":
+            if len(raw.encode()) >= self.low:
+                return raw
+            raise ValueError("(not shown)")
         value = float(raw)  # ValueError for 'abc'; 'nan' and 'inf' fail the range below
         if not ((value >= self.low if self.low_ok else value > self.low) and value <= self.high):
             raise ValueError(raw)
@@ -90,6 +104,9 @@ def _seconds(name: str, default: float | None, meaning: str, example: str, **kw:
 def _switch(name: str, default: bool, meaning: str) -> Setting:
     return Setting(name, "switch", default, meaning, "0" if default else "1")
 
+
+#: The shortest secret taken (``DPTRAIN_SECRET``, or the file's), in characters.
+MIN_SECRET_CHARS = 16
 
 #: Every variable dptrain reads, by name. The launcher's flags set some of them for the ranks
 #: (``--timeout``, ``--debug``, ``--profile``); ``DPTRAIN_PROGRESS`` is the launcher's message
@@ -115,10 +132,22 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "was tested with"),
     Setting("DPTRAIN_STORE_MAX_MB", "number", 512, "MiB of keys and values one job may keep in dptrain's "
             "rendezvous store", "512", high=1e7, unit="MiB"),
+    Setting("DPTRAIN_SECRET_FILE", "file", None, "dptrain run across nodes: the file that holds the job's "
+            "secret, the same on every node, readable by its owner only (--secret-file sets it too)",
+            "~/.dptrain/job.secret", default_text="none"),
+    Setting("DPTRAIN_SECRET", "secret", None, "dptrain run across nodes: the job's secret itself, the same on "
+            "every node (DPTRAIN_SECRET_FILE or --secret-file are read first)",
+            "$(python -c 'import secrets; print(secrets.token_hex(32))')", low=MIN_SECRET_CHARS, default_text="none"),
     Setting("DPTRAIN_PROGRESS", "choice", None, "how a rank shows the Trainer's progress: a live bar (tty), "
             "lines now and then (lines), or not at all (off); set by dptrain run", "lines",
             choices=("tty", "lines", "off"), default_text="a bar when stderr is a terminal, else lines"),
 )}
+
+
+#: Variables only the launcher reads: ``dptrain run`` starts its ranks without them, so that the
+#: job's secret is never in a rank's environment (see [Note: only the job gets in] in
+#: ``dptrain.launcher.auth``).
+LAUNCHER_ONLY = ("DPTRAIN_SECRET_FILE", "DPTRAIN_SECRET")
 
 
 def _default_text(setting: Setting) -> str:
@@ -142,9 +171,16 @@ def problem(name: str, raw: str) -> str | None:
     try:
         setting.parse(raw.strip())
     except ValueError:
-        return (f"{name}={raw!r} is not {setting.what()}; unset it (default: {_default_text(setting)}) "
+        shown = f"{name} ({len(raw.strip())} characters, not shown)" if setting.kind == "secret" else f"{name}={raw!r}"
+        return (f"{shown} is not {setting.what()}; unset it (default: {_default_text(setting)}) "
                 f"or set e.g. {name}={setting.example}")
     return None
+
+
+def shown(name: str, raw: str) -> str:
+    """``raw``, the value of ``name``, as it may be shown: a secret's as its length only."""
+    setting = SETTINGS.get(name)
+    return f"({len(raw.strip())} characters, not shown)" if setting is not None and setting.kind == "secret" else raw
 
 
 def get(name: str, environ: Mapping[str, str] | None = None) -> Any:

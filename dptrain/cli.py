@@ -108,9 +108,10 @@ _RUN_EXAMPLES = """examples:
   dptrain run --nproc-per-node 4 --max-restarts 3 train.py        # restart the whole job on failure
   dptrain run --log-ranks 0 --nproc-per-node 8 train.py           # show only rank 0's output
   dptrain run --profile --nproc-per-node 2 train.py               # per-rank step report (Trainer)
-  # two machines (run on each, with node 0's address):
-  dptrain run --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 train.py
-  dptrain run --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 train.py
+  # two machines (run on each, with node 0's address, and the same secret on each):
+  (umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > job.secret)   # once; copy it to every node
+  dptrain run --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 --secret-file job.secret train.py
+  dptrain run --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 --secret-file job.secret train.py
   # or torchrun's way: the same command on every machine, nodes numbered as they arrive
   dptrain run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 train.py
   # elastic: go on with at least 1 of 2 nodes when one is lost (the Trainer resumes on the smaller world)
@@ -217,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
           help="c10d: every node runs the same command without --node-rank; the node owning the endpoint's "
                "address hosts the store and is node 0, the others are numbered as they arrive (default static)")
     _flag(run, "--rdzv-id", default=None, help="the job's id, given to the ranks as TORCHELASTIC_RUN_ID")
+    _flag(run, "--secret-file", default=None, metavar="FILE",
+          help="across nodes: a file (chmod 600) holding the job's secret, the same on every node; without it "
+               "anything that reaches --master-addr:--master-port can read, stop or join the job (default: "
+               "DPTRAIN_SECRET_FILE, else DPTRAIN_SECRET, else none)")
     _flag(run, "--log-dir", default=None, help="with --tee/--redirects: where the ranks' log files go "
           "(<dir>/<run id>/attempt_<k>/<local rank>/stdout.log, stderr.log; default: a new temporary folder)")
     _flag(run, "-t", "--tee", type=_std_spec, default=0, metavar="N|R:N,...",
@@ -259,10 +264,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return ns
 
 
-def _rendezvous(ns: argparse.Namespace) -> tuple[str | None, int | None, int]:
+def _rendezvous(ns: argparse.Namespace, secret: bytes | None = None) -> tuple[str | None, int | None, int]:
     """(master address, master port, node rank) from the flags, torchrun's rendezvous spellings included.
 
-    The node rank, when not given, is the launcher's to find (see ``dptrain.launcher.rendezvous.node_rank``).
+    The node rank, when not given, is the launcher's to find (see ``dptrain.launcher.rendezvous.node_rank``);
+    ``secret`` is the job's, for a c10d arrival.
     """
     addr, port = ns.master_addr, ns.master_port
     if ns.rdzv_endpoint:
@@ -276,17 +282,21 @@ def _rendezvous(ns: argparse.Namespace) -> tuple[str | None, int | None, int]:
         addr, port = host, given
     from dptrain.launcher.rendezvous import node_rank
 
-    return addr, port, node_rank(ns.node_rank, ns.rdzv_backend, addr, port, ns.nnodes, ns.timeout)
+    return addr, port, node_rank(ns.node_rank, ns.rdzv_backend, addr, port, ns.nnodes, ns.timeout, secret)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dptrain`` console script."""
     ns = parse_args(argv)
     if ns.command == "run":
+        from dptrain.launcher.auth import load_secret
         from dptrain.launcher.job import LaunchConfig, run_job
+        from dptrain.launcher.preflight import check_settings
 
         try:
-            master_addr, master_port, node_rank = _rendezvous(ns)
+            check_settings(ns)  # a bad DPTRAIN_* value is its one line, before the secret is read
+            secret = load_secret(ns.secret_file)
+            master_addr, master_port, node_rank = _rendezvous(ns, secret)
             config = LaunchConfig(
                 program=ns.program,
                 args=list(ns.args),
@@ -307,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timeout=ns.timeout,
                 debug=ns.debug,
                 profile=ns.profile,
+                secret=secret,
             )
             return run_job(config)
         except ValueError as exc:

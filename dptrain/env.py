@@ -168,6 +168,20 @@ def _make_store(world: World, timeout: datetime.timedelta) -> dist.Store:
     )
 
 
+def _open_store_warning(world: World) -> str | None:
+    """What rank 0 says when it hosts the job's store for ranks on other nodes (srun, one task per
+    rank): torch's ``TCPStore`` listens on every interface and cannot ask for a secret, so anything
+    that reaches the port can read the job's keys or join it as a rank. None otherwise: ``dptrain
+    run`` hosts the store itself (and says so across nodes without a secret), torchrun is torch's.
+    """
+    if world.source != "slurm" or world.world_size <= world.local_world_size:
+        return None
+    return (f"rank 0 hosts this job's rendezvous store at {world.master_addr}:{world.master_port} with torch's "
+            f"TCPStore, which cannot ask for a secret: anything that can reach that port can read the job's keys "
+            f"or join it as a rank. To let only the job in, run `dptrain run` on each node with a secret: "
+            f"`dptrain slurm-script --per-node` writes that sbatch file")
+
+
 def _prefixed(base: dist.Store, world: World, part: str) -> dist.Store:
     # See _heartbeat's [Note: the store's key layout]: one prefix per launch attempt, then the
     # process group's keys ("pg") apart from dptrain's own ("dp", which the launcher reads too).
@@ -265,6 +279,9 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     if world.is_distributed or (world.source == "torchrun" and world.master_addr is not None):
         _STATE.store = _join_job(world, chosen, td)
         _STATE.owns_group = True
+        open_store = _open_store_warning(world)
+        if open_store:
+            _warn_once_main(open_store)
         _diagnostics.configure(_STATE.store, td)  # what the guarded collectives need to explain a failure
         _heartbeat.start(_STATE.store, world.rank)
         # A script that never calls shutdown() must still exit cleanly: a heartbeat thread or

@@ -86,7 +86,7 @@ def _variables() -> dict[str, str]:
     found = {}
     for name, value in sorted(os.environ.items()):
         if name in _NAMES or name.startswith(_PREFIXES):
-            found[name] = value + _verdict(name, value)
+            found[name] = _settings.shown(name, value) + _verdict(name, value)
     return found
 
 

@@ -7,8 +7,10 @@ How ``dptrain run --nproc-per-node N train.py`` becomes N rank processes on this
    ``job.LaunchConfig`` checks what was asked.
 2. ``job.run_job`` runs the attempts. Node 0's launcher binds the rendezvous store
    (``rendezvous.RendezvousServer``, served by ``store``: torch's TCPStore protocol in plain
-   Python); the other nodes wait for it. With ``--nnodes MIN:MAX``, ``membership`` decides in
-   the store which nodes take part in each attempt.
+   Python); the other nodes wait for it. A job across nodes with a secret (``auth``) keeps the
+   store on 127.0.0.1 behind a gate that lets in only connections that prove the secret, and
+   the other nodes' ranks reach it through their launcher's forwarder (``tunnel``). With
+   ``--nnodes MIN:MAX``, ``membership`` decides in the store which nodes take part in each attempt.
 3. ``workers`` starts each rank with torchrun's variables (``RANK``, ``WORLD_SIZE``, ...), in a
    process group of its own that dies with the launcher (``janitor``: also when the launcher is
    killed), its output relayed live under a ``[rankN]`` prefix (``relay``) and optionally

@@ -26,10 +26,11 @@ from dptrain._join import ranks_text, wait_for_listener
 from dptrain.launcher.janitor import Janitor
 from dptrain.launcher.membership import Elastic, Membership
 from dptrain.launcher.relay import Console
-from dptrain.launcher.rendezvous import (RendezvousServer, exit_barrier, failed_key, iface_towards, loopback_ifname,
-                                         wait_s)
+from dptrain.launcher.rendezvous import (RendezvousServer, exit_barrier, failed_key, iface_towards, listen_on,
+                                         loopback_ifname, wait_s)
 from dptrain.launcher.preflight import preflight
-from dptrain.launcher.store import StoreClient, StoreError
+from dptrain.launcher.store import StoreClient, StoreError, StoreRefused
+from dptrain.launcher.tunnel import Forwarder, Gate
 from dptrain.launcher.store_values import Warnings, failure_text
 from dptrain.launcher.watch import Watch, peer_failure, publish
 from dptrain.launcher.workers import (RankProcess, error_file, finish_output, omp_threads, process_environ,
@@ -53,7 +54,9 @@ class LaunchConfig:
     ``profile`` (the Trainer's per-rank step report), ``module`` (run ``python -m``),
     ``program`` and ``args``; ``run_id`` (the ranks' ``TORCHELASTIC_RUN_ID``; None: inherited,
     else random); ``log_dir``, ``redirects`` and ``tee`` (torchrun's per-rank log files: 0-3
-    for every local rank, or a dict local rank -> 0-3; see ``rank_log_files``).
+    for every local rank, or a dict local rank -> 0-3; see ``rank_log_files``); ``secret`` (the
+    job's, the same on every node; None: a job across nodes is open to its network, see
+    [Note: only the job gets in] in :mod:`dptrain.launcher.auth`; never shown in the repr).
     """
 
     program: str
@@ -75,6 +78,7 @@ class LaunchConfig:
     log_dir: str | None = None
     redirects: int | dict = 0
     tee: int | dict = 0
+    secret: bytes | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -124,8 +128,9 @@ class LaunchConfig:
 
 
 def base_environ(config: LaunchConfig, host: str, log: Callable[[str], None]) -> dict[str, str]:
-    """The environment every rank of this node starts from: the launcher's, and what ``config`` sets."""
-    env = dict(os.environ)
+    """The environment every rank of this node starts from: the launcher's (but the job's secret), and
+    what ``config`` sets. ``host`` is node 0's address (gloo's interface is the one towards it)."""
+    env = {name: value for name, value in os.environ.items() if name not in _settings.LAUNCHER_ONLY}
     omp, notice = omp_threads(config.nproc_per_node)
     if notice:
         log(notice)
@@ -214,6 +219,8 @@ class _Job:
         self.ranks: list[RankProcess] = []
         self.watching: Watch | None = None  # the ranks of the current attempt
         self.server = None
+        self.gate: Gate | None = None  # node 0 of a job with a secret: the way in from the network
+        self.forwarder: Forwarder | None = None  # another node of such a job: its ranks' way to node 0
         self.store: StoreClient | None = None
         self.elastic: Elastic | None = None
         self.warnings = Warnings(self.log)  # malformed values read from the store, each said once
@@ -222,6 +229,11 @@ class _Job:
                                  num_nodes=config.nnodes, world_size=config.world_size, nodes=())
         try:
             self._connect()
+            if config.nnodes > 1 and config.secret is None:
+                self.log(f"dptrain run: warning: this job spans nodes without a secret, so anything that can reach "
+                         f"{self.host}:{config.master_port} can read its rendezvous store, stop it, or join it as a "
+                         f"rank. Give every node the same secret: --secret-file FILE (or DPTRAIN_SECRET_FILE), "
+                         f"made once with (umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > FILE)")
             if config.elastic:  # membership is decided in the store before any rank starts
                 self._open_store()
                 self.elastic = Elastic(self.store, config.node_rank, config.nproc_per_node, config.min_nodes,
@@ -245,17 +257,36 @@ class _Job:
         self.console.emit(self, 1, [message.encode("utf-8", "replace")])
 
     def _connect(self) -> None:
+        """Bind node 0's store (and its gate), or wait for node 0 (and open this node's forwarder).
+
+        Sets where this launcher's client talks to the store (``store_at``) and where the ranks
+        do (``ranks_at``): with a secret, 127.0.0.1 on every node (see [Note: only the job gets
+        in] in :mod:`dptrain.launcher.auth`).
+        """
         config = self.config
-        self.host = config.master_addr or "127.0.0.1"
+        # A single node listens on 127.0.0.1 only, whatever --master-addr says: nothing else needs it.
+        self.host = config.master_addr if config.nnodes > 1 else "127.0.0.1"
         timeout = config.wait_s
+        secret = config.secret if config.nnodes > 1 else None
         self.store = None
         if config.node_rank == 0:
-            # Single node: 127.0.0.1 only. Several nodes: the explicit master address only.
             # Only bound here: the store itself starts after the ranks (see _open_store).
-            self.server = RendezvousServer(self.host, config.master_port or 0, config.world_size, timeout_s=timeout)
+            if secret is None:
+                self.server = RendezvousServer(self.host, config.master_port or 0, config.world_size, timeout_s=timeout)
+                self.store_at = (self.host, self.server.port, None)
+            else:
+                self.server = RendezvousServer("127.0.0.1", 0, config.world_size, timeout_s=timeout)
+                self.gate = Gate(listen_on(self.host, config.master_port), self.server.port, secret, self.log)
+                self.store_at = ("127.0.0.1", self.server.port, None)
+            self.ranks_at = self.store_at[:2]
         else:
             self._wait_for_master(timeout)
-        self.port = self.server.port if self.server else config.master_port
+            self.store_at = (self.host, config.master_port, secret)
+            self.ranks_at = self.store_at[:2]
+            if secret is not None:
+                self._open_store()  # a wrong secret ends here, before any rank starts
+                self.forwarder = Forwarder(self.host, config.master_port, secret, self.log)
+                self.ranks_at = ("127.0.0.1", self.forwarder.port)
 
     def _check_signals(self) -> None:
         if self.signals.received:
@@ -281,10 +312,13 @@ class _Job:
         if self.server is not None:
             self.server.serve()
         config = self.config
+        host, port, secret = self.store_at
         try:
-            self.store = StoreClient(self.host, self.port, timeout=config.wait_s)
+            self.store = StoreClient(host, port, timeout=config.wait_s, secret=secret)
+        except StoreRefused as exc:
+            raise ValueError(f"node {config.node_rank}: {exc}") from None
         except StoreError as exc:
-            raise ValueError(f"node {config.node_rank} reached {self.host}:{self.port} but no "
+            raise ValueError(f"node {config.node_rank} reached {host}:{port} but no "
                              f"rendezvous store answered there ({str(exc).strip()[:200]}); is --master-port "
                              f"the port that `dptrain run --node-rank 0` listens on?") from None
 
@@ -305,7 +339,8 @@ class _Job:
             environ = process_environ(
                 self.base_env, self.console, show, rank=rank, local_rank=local, world_size=self.layout.world_size,
                 local_world_size=config.nproc_per_node, node_rank=self.layout.node_rank,
-                num_nodes=self.layout.num_nodes, master_addr=self.host, master_port=self.port, run_id=self.run_id,
+                num_nodes=self.layout.num_nodes, master_addr=self.ranks_at[0], master_port=self.ranks_at[1],
+                run_id=self.run_id,
                 restart_count=attempt, max_restarts=config.max_restarts, error_dir=self.error_dir,
             )
             logs = rank_log_files(self.log_dir, self.run_id, attempt, local, config.redirects, config.tee)
@@ -364,6 +399,9 @@ class _Job:
         self.janitor.done()
         if self.store is not None:
             self.store.close()
+        for pipes in (self.forwarder, self.gate):
+            if pipes is not None:
+                pipes.close()
         if self.server:
             self.server.close()
         shutil.rmtree(self.error_dir, ignore_errors=True)

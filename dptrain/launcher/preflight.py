@@ -54,7 +54,8 @@ def preflight(config: Any) -> None:
     ``config`` is the job's ``LaunchConfig`` (not imported: ``job`` imports this module).
     """
     check_settings(config)
-    check_capacity(config.nproc_per_node, config.nnodes, hosts_store=config.node_rank == 0)
+    check_capacity(config.nproc_per_node, config.nnodes, hosts_store=config.node_rank == 0,
+                   tunneled=config.nnodes > 1 and getattr(config, "secret", None) is not None)
 
 
 def check_settings(config: Any) -> None:
@@ -64,11 +65,13 @@ def check_settings(config: Any) -> None:
     _settings.check_all(environ)
 
 
-def check_capacity(nproc_per_node: int, nnodes: int = 1, hosts_store: bool = True) -> None:
+def check_capacity(nproc_per_node: int, nnodes: int = 1, hosts_store: bool = True, tunneled: bool = False) -> None:
     """Raise ValueError when this machine cannot start ``nproc_per_node`` ranks (see [Note: ranks this machine can start]).
 
     ``nnodes`` (the most nodes of the job) and ``hosts_store`` (this is node 0) count the
-    store's connections. Raises the soft limit on open files to the hard one as it goes.
+    store's connections; ``tunneled`` (a job with a secret) the two ends of each one that node 0's
+    gate or another node's forwarder pipes (see ``tunnel``). Raises the soft limit on open files
+    to the hard one as it goes.
     """
     n = nproc_per_node
     refusals = []  # (the most ranks that fit, why not n)
@@ -80,10 +83,13 @@ def check_capacity(nproc_per_node: int, nnodes: int = 1, hosts_store: bool = Tru
                                                      f"but {limit}"))
     # Node 0 holds the store: a connection for every rank of the job (n on each node) and every launcher.
     per_rank = FILES_PER_RANK + (nnodes if hosts_store else 0)
+    if tunneled:  # the gate: two per rank of every other node; a forwarder: two per rank of its own
+        per_rank += 2 * (nnodes - 1) if hosts_store else 2
     held = _open_files() + SPARE_FILES + (nnodes if hosts_store else 1)
     files, limit = per_rank * n + held, raise_open_files_limit()
     if files > limit:
         store = f" and {nnodes} store connection(s)" if hosts_store else ""
+        store += " and the ends of its piped store connections" if tunneled else ""
         refusals.append(((limit - held) // per_rank, f"dptrain run needs at least {files} open files ({per_rank} per "
                                                      f"rank: the 2 pipes of its output{store}; {held} more of its "
                                                      f"own), but `ulimit -n` allows {limit} (raise the hard limit, "

@@ -2,7 +2,9 @@
 
 Node 0's launcher hosts the store (``RendezvousServer``: bound to one address only, served by
 :mod:`dptrain.launcher.store` or torch's ``TCPStore``) on a port of its own (``free_port``);
-every node's launcher and every rank connects to it. The gloo interface a node's ranks use is
+every node's launcher and every rank connects to it (with the job's secret, through node 0's
+gate and the other nodes' forwarders: see [Note: only the job gets in] in
+:mod:`dptrain.launcher.auth`). The gloo interface a node's ranks use is
 the one that reaches that address (``iface_towards``; ``loopback_ifname`` on a single node).
 A node without ``--node-rank`` takes Slurm's node id or, with ``--rdzv-backend c10d``, its
 order of arrival (``node_rank``). Node 0 keeps the store up until every node's ranks have
@@ -22,7 +24,7 @@ from dptrain._heartbeat import DEFAULT_TIMEOUT_S
 from dptrain._join import wait_for_listener
 from dptrain.launcher.store import LISTEN_BACKLOG, StoreClient, StoreServer, use_python_store
 
-__all__ = ["RendezvousServer", "free_port", "loopback_ifname", "iface_towards", "exit_barrier", "node_rank",
+__all__ = ["RendezvousServer", "listen_on", "free_port", "loopback_ifname", "iface_towards", "exit_barrier", "node_rank",
            "auto_node_rank", "default_node_rank", "ARRIVALS_KEY", "wait_s", "failed_key"]
 
 
@@ -45,6 +47,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def listen_on(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port) and listening; ValueError with the fix when it cannot."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if port:
+            raise ValueError(
+                f"port {port} on {host} is not available ({exc.strerror}); pick another with "
+                f"--master-port, or omit --master-port on a single node to get a free one"
+            ) from None
+        raise ValueError(f"cannot listen on {host} ({exc.strerror}); check --master-addr") from None
+    sock.listen(LISTEN_BACKLOG)  # as the store listens once it serves: no overflow at thousands of ranks
+    return sock
+
+
 class RendezvousServer:
     """The rendezvous store, hosted by the launcher and bound to one address only.
 
@@ -61,21 +81,9 @@ class RendezvousServer:
         self.timeout_s = timeout_s
         self.store = None
         self.ours = use_python_store()  # decided (and a bad DPTRAIN_STORE refused) before any rank starts
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-        except OSError as exc:
-            self._sock.close()
-            if port:
-                raise ValueError(
-                    f"port {port} on {host} is not available ({exc.strerror}); pick another with "
-                    f"--master-port, or omit --master-port on a single node to get a free one"
-                ) from None
-            raise ValueError(f"cannot listen on {host} ({exc.strerror}); check --master-addr") from None
         # Listening already: ranks started before serve() queue in the backlog and are answered
         # once the store runs, so a launcher can start its ranks before its store is up.
-        self._sock.listen(LISTEN_BACKLOG)  # as the store listens once it serves: no overflow at thousands of ranks
+        self._sock = listen_on(host, port)
         self.port = self._sock.getsockname()[1]
 
     def serve(self) -> None:
@@ -198,13 +206,14 @@ def exit_barrier(store, prefix: str, num_nodes: int, host: bool, timeout_s: floa
 ARRIVALS_KEY = "launcher/arrivals"
 
 
-def auto_node_rank(host: str, port: int, nnodes: int, timeout_s: float, log) -> int:
+def auto_node_rank(host: str, port: int, nnodes: int, timeout_s: float, log, secret: bytes | None = None) -> int:
     """This node's rank when none was given (``--rdzv-backend c10d``, as with torchrun).
 
     Every node runs the same command. The node that owns the endpoint's address, and can
     take its port, hosts the store: node 0. The others take 1, 2, ... in the order in which
     they reach it, and keep that number for the whole job (restarts included). Waits for the
-    store like a node with an explicit rank, saying every 30 s what it waits for.
+    store like a node with an explicit rank, saying every 30 s what it waits for. ``secret``:
+    the job's (the arrival passes node 0's gate, see :mod:`dptrain.launcher.auth`).
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -215,7 +224,10 @@ def auto_node_rank(host: str, port: int, nnodes: int, timeout_s: float, log) -> 
             pass  # not an address of this machine, or another launcher here hosts already
     wait_for_listener(host, port, timeout_s, "this node", "the rendezvous",
                       f"Is `dptrain run` running on the machine that owns {host}?", log)
-    store = StoreClient(host, port, timeout=timeout_s)
+    try:
+        store = StoreClient(host, port, timeout=timeout_s, secret=secret)
+    except RuntimeError as exc:  # StoreError: a wrong secret, or not a store
+        raise ValueError(str(exc)) from None
     try:
         rank = store.add(ARRIVALS_KEY, 1)
     finally:
@@ -242,9 +254,10 @@ def default_node_rank(nnodes: int) -> int:
 
 
 def node_rank(given: int | None, backend: str, addr: str | None, port: int | None, nnodes: tuple[int | None, int],
-              timeout: float | None) -> int:
+              timeout: float | None, secret: bytes | None = None) -> int:
     """This node's rank: ``given`` (``--node-rank``), else its order of arrival at a c10d
-    rendezvous across nodes (``auto_node_rank``), else Slurm's node id, else 0.
+    rendezvous across nodes (``auto_node_rank``, with the job's ``secret`` if it has one), else
+    Slurm's node id, else 0.
 
     ``nnodes`` is ``--nnodes`` as parsed: (the minimum or None, the maximum).
     """
@@ -256,5 +269,5 @@ def node_rank(given: int | None, backend: str, addr: str | None, port: int | Non
         if nnodes[0] is not None:
             raise ValueError("elastic jobs (--nnodes MIN:MAX) number their nodes by --node-rank: give each node its own")
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        return auto_node_rank(addr, port, nnodes[1], wait_s(timeout), log)
+        return auto_node_rank(addr, port, nnodes[1], wait_s(timeout), log, secret)
     return default_node_rank(nnodes[1])

@@ -4,8 +4,14 @@ The file starts one task per rank with ``srun``; each task finds its rank, the w
 its local rank and the master address from Slurm's variables (see
 :mod:`dptrain.environments.slurm`), so no ``torchrun`` runs inside the allocation and no
 rendezvous endpoint has to be spelled out. With ``--per-node`` one task per node runs
-``dptrain run`` for that node's ranks instead. Either way the job asks for SIGUSR1 90 s
-before its end and may be requeued: the Trainer checkpoints, requeues and later resumes.
+``dptrain run`` for that node's ranks instead, and the file gives the job a secret of its own:
+it writes a fresh one (``umask 077``: a file only the user can read, in the job's folder, which
+every node sees), hands its path to every node's launcher (``DPTRAIN_SECRET_FILE``, which srun
+passes on) and removes it when the job ends, so that nothing else on the cluster's network can
+read, stop or join the job (see [Note: only the job gets in] in :mod:`dptrain.launcher.auth`).
+One task per rank has no launcher to hold it: rank 0 hosts torch's store, open to the network,
+and the file says so. Either way the job asks for SIGUSR1 90 s before its end and may be
+requeued: the Trainer checkpoints, requeues and later resumes.
 """
 
 from __future__ import annotations
@@ -81,6 +87,19 @@ def render_sbatch(ns: Any) -> str:
             "MASTER_PORT=$(" + python + " -c 'import os; from dptrain.environments.slurm import master_port; "
             "print(master_port(int(os.environ[\"SLURM_JOB_ID\"])))')",
             "",
+        ]
+        if ns.nodes > 1:  # one node listens on 127.0.0.1 only and needs none
+            lines += [
+                "# A fresh secret for this run, readable by you only: without it nothing on the network can read,",
+                "# stop or join the job. Every node's launcher reads it (srun passes DPTRAIN_SECRET_FILE on).",
+                "export DPTRAIN_SECRET_FILE=\"$PWD/.dptrain-$SLURM_JOB_ID.secret\"",
+                "rm -f \"$DPTRAIN_SECRET_FILE\"",
+                "trap 'rm -f \"$DPTRAIN_SECRET_FILE\"' EXIT",
+                "(umask 077 && " + python + " -c 'import secrets; print(secrets.token_hex(32))' > "
+                "\"$DPTRAIN_SECRET_FILE\")",
+                "",
+            ]
+        lines += [
             # Each task's node rank is its SLURM_NODEID, which `dptrain run` reads when --node-rank is omitted.
             f"srun --kill-on-bad-exit=1 {python} -u -m dptrain run --nnodes {ns.nodes} --nproc-per-node {tasks} "
             f"--master-addr \"$MASTER_ADDR\" --master-port \"$MASTER_PORT\" {script}",
@@ -91,6 +110,8 @@ def render_sbatch(ns: Any) -> str:
             "",
             f"# {ns.nodes * tasks} ranks: {ns.nodes} node(s) x {tasks} task(s). Each task finds its rank, the world,",
             "# its local rank, node 0's address and the job's port from Slurm's variables in dptrain.init().",
+            "# Rank 0 hosts the rendezvous store with torch's TCPStore, which anything on the cluster's network can",
+            "# reach; `dptrain slurm-script --per-node` runs dptrain run on each node, with a secret for the job.",
             f"srun --kill-on-bad-exit=1 {python} -u {script}",
             "",
         ]

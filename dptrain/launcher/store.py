@@ -22,8 +22,9 @@ torch version, and ``DPTRAIN_STORE=torch`` switches back to torch's server (see
 ``use_python_store``).
 
 [Note: what the store refuses]
-Anything that reaches the port can talk to the store (until it authenticates its clients),
-and one job of thousands of ranks must not be able to break it by accident either. So:
+Whatever reaches the port can talk to the store (across nodes without a secret; with one,
+only the job's own connections reach it, see [Note: only the job gets in] in ``auth``), and
+one job of thousands of ranks must not be able to break it by accident either. So:
 
 * connections: the server raises its process's soft limit on open files to the hard one,
   holds at most ``max_connections`` (the limit less ``FD_RESERVE``, at most half of it, which
@@ -66,10 +67,10 @@ from dptrain import _torch_version as _torch_version_module
 from dptrain.launcher.store_client import (ADD, APPEND, CANCEL_WAIT, CHECK, COMPARE_SET, DELETE_KEY, GET, MAGIC,
                                            MULTI_GET, MULTI_SET, NOT_READY, NUM_KEYS, PING, QUEUE_LEN, QUEUE_POP,
                                            QUEUE_PUSH, READY, SET, STOP_WAITING, VALIDATE, WAIT, WAIT_CANCELED,
-                                           StoreClient, StoreError, StoreTimeout, _blob)
+                                           StoreClient, StoreError, StoreRefused, StoreTimeout, _blob)
 from dptrain.launcher.store_values import clean
 
-__all__ = ["StoreServer", "StoreClient", "StoreError", "StoreTimeout", "use_python_store", "raise_open_files_limit"]
+__all__ = ["StoreServer", "StoreClient", "StoreError", "StoreRefused", "StoreTimeout", "use_python_store", "raise_open_files_limit"]
 
 MAX_KEYS = 128 * 1024  # torch's limits: a request past them is malformed
 MAX_KEY = 8 * 1024

@@ -15,7 +15,9 @@ import struct
 import threading
 import time
 
-__all__ = ["StoreClient", "StoreError", "StoreTimeout"]
+from dptrain.launcher import auth
+
+__all__ = ["StoreClient", "StoreError", "StoreTimeout", "StoreRefused"]
 
 # TCPStore's request codes, in the order of torch's QueryType enum.
 (VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT, NUM_KEYS, DELETE_KEY, APPEND, MULTI_GET, MULTI_SET,
@@ -23,6 +25,7 @@ __all__ = ["StoreClient", "StoreError", "StoreTimeout"]
 MAGIC = 0x3C85F7CE  # what a client sends first, after VALIDATE
 READY, NOT_READY = 0, 1  # answers to CHECK
 STOP_WAITING, WAIT_CANCELED = 0, 1  # answers to WAIT and CANCEL_WAIT
+_PING = 0x70696E67  # the number a ping asks the store to send back ("ping")
 
 
 class StoreError(RuntimeError):
@@ -31,6 +34,10 @@ class StoreError(RuntimeError):
 
 class StoreTimeout(StoreError):
     """A key did not appear within the timeout."""
+
+
+class StoreRefused(StoreError):
+    """The rendezvous answered but did not let this client in (the job's secret: see ``auth``)."""
 
 
 def _blob(value: bytes) -> bytes:
@@ -59,7 +66,14 @@ class StoreClient:
     are ``RuntimeError``, as torch's are.
     """
 
-    def __init__(self, host: str, port: int, timeout=300.0, connect_timeout: float = 30.0) -> None:
+    def __init__(self, host: str, port: int, timeout=300.0, connect_timeout: float = 30.0,
+                 secret: bytes | None = None) -> None:
+        """Connect to the store at ``host:port`` (retrying for ``connect_timeout`` seconds).
+
+        ``secret``: the job's, for node 0's gate (see [Note: only the job gets in] in
+        :mod:`dptrain.launcher.auth`); the connection passes the handshake before any request.
+        Without one, a ping checks that a store answers (and not a gate that asks for a secret).
+        """
         self.timeout = _seconds(timeout)
         self._lock = threading.Lock()
         deadline = time.monotonic() + connect_timeout
@@ -73,7 +87,33 @@ class StoreClient:
                 time.sleep(0.05)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.settimeout(None)
+        where = f"{host}:{port}"
+        if secret is not None:
+            try:
+                auth.run_blocking(self._sock, auth.client(secret))
+            except auth.AuthError as exc:
+                self.close()
+                raise StoreRefused(f"the rendezvous at {where} did not let this node in: {exc}. Give every node the "
+                                   f"same secret (--secret-file, DPTRAIN_SECRET_FILE or DPTRAIN_SECRET)") from None
         self._send(struct.pack("<BI", VALIDATE, MAGIC))
+        if secret is None:
+            self._check_store(where)
+
+    def _check_store(self, where: str) -> None:
+        """A ping: a store answers with its number; node 0's gate, which asks for a secret, with its challenge."""
+        self._send(struct.pack("<BI", PING, _PING))
+        try:
+            answer = self._recv(4, timeout=self.timeout)
+        except StoreError:
+            answer = b""
+        if answer == struct.pack("<I", _PING):
+            return
+        self.close()
+        if answer == auth.MAGIC:
+            raise StoreRefused(f"the rendezvous at {where} asks for the job's secret, and this node has none: give "
+                               f"every node the same one (--secret-file, DPTRAIN_SECRET_FILE or DPTRAIN_SECRET)")
+        why = "no answer" if answer is None else "an answer out of protocol" if answer else "it closed the connection"
+        raise StoreError(f"no rendezvous store answered at {where} ({why})")
 
     def close(self) -> None:
         try:

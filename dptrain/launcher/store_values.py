@@ -2,7 +2,9 @@
 
 [Note: the store is not trusted]
 Whatever can reach the store's port can write any key: a rank's heartbeat, a node's arrival,
-another node's failure report. Until the store authenticates its clients, the launcher
+another node's failure report. A job with a secret lets only its own connections in (see
+[Note: only the job gets in] in ``auth``), but a job across nodes without one, a rank's bug, or
+anyone logged in on a node (loopback is not guarded) can still write there, so the launcher
 treats every value it reads as input from outside. Each kind of value has one parser here
 that returns it in the shape the launcher uses, or raises ``Malformed``; ``read`` treats a
 malformed value as absent and says so in one warning line (``Warnings``: one per key, a few

@@ -88,6 +88,11 @@ def test_two_namespace_nodes_train_like_one_node(two_nodes):
     port = 29611
     outs = _run_both([_launch(two_nodes[0], 0, port), _launch(two_nodes[1], 1, port)])
     assert "[rank0] rank 0 world 2" in outs[0][0] and "[rank1] rank 1 world 2" in outs[1][0]
+    # Without a secret, each launcher says once that the job is open to its network, and how to close it.
+    warning = (f"dptrain run: warning: this job spans nodes without a secret, so anything that can reach "
+               f"{ADDR[0]}:{port} can read its rendezvous store, stop it, or join it as a rank. Give every node the "
+               f"same secret: --secret-file FILE")
+    assert [err.count(warning) for _, err in outs] == [1, 1], outs
     multi = _digests(outs[0][0]) | _digests(outs[1][0])
     single = subprocess.run([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", SCRIPT],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
