@@ -122,9 +122,9 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), so the same script also runs under to
 """
 
 _SLURM_EXAMPLES = """examples:
-  dptrain slurm-script --nodes 2 --gpus-per-node 4 train.py --epochs 10 > job.sbatch && sbatch job.sbatch
+  dptrain slurm-script --nodes 2 --gpus-per-node 4 train.py --epochs 10 > job.sbatch && sbatch job.sbatch   # dptrain run per node, a secret
   dptrain slurm-script --nodes 4 --ntasks-per-node 2 --partition cpu train.py -o job.sbatch
-  dptrain slurm-script --nodes 2 --gpus-per-node 8 --per-node train.py     # srun one task per node, dptrain run inside
+  dptrain slurm-script --nodes 2 --gpus-per-node 8 --per-task train.py     # srun one task per rank, no launcher (no secret)
 
 The file asks Slurm for SIGUSR1 90 s before the end (--signal=USR1@90) and allows a
 requeue (--requeue): the Trainer then checkpoints, requeues the job and resumes when it runs again.
@@ -164,8 +164,9 @@ def _version() -> str:
 def _slurm_parser(sub, examples) -> argparse.ArgumentParser:
     """``dptrain slurm-script``'s flags."""
     slurm = sub.add_parser("slurm-script", help="write an sbatch file that runs a script with srun",
-                           description="Write an sbatch file: one task per rank with srun (or per node with --per-node), "
-                                       "requeued on preemption.", epilog=_SLURM_EXAMPLES, formatter_class=examples)
+                           description="Write an sbatch file, requeued on preemption: on several nodes one srun task per "
+                                       "node runs `dptrain run` with a fresh secret for the job (--per-task: one "
+                                       "task per rank instead); on one node one task per rank.", epilog=_SLURM_EXAMPLES, formatter_class=examples)
     _flag(slurm, "--nodes", type=int, default=1, help="nodes to allocate (default 1)")
     _flag(slurm, "--gpus-per-node", type=int, default=0, help="GPUs (and ranks) per node (default 0: CPU)")
     _flag(slurm, "--ntasks-per-node", type=int, default=None, help="ranks per node (default: GPUs per node, or 1)")
@@ -174,7 +175,11 @@ def _slurm_parser(sub, examples) -> argparse.ArgumentParser:
     _flag(slurm, "--time", default="01:00:00", help="time limit (default 01:00:00)")
     _flag(slurm, "--partition", default=None, help="partition to submit to")
     _flag(slurm, "--per-node", action="store_true",
-          help="one srun task per node running `dptrain run` for its ranks (default: one task per rank)")
+          help="one srun task per node running `dptrain run` for its ranks, with a fresh secret for the job "
+               "(the default on several nodes)")
+    _flag(slurm, "--per-task", action="store_true",
+          help="one srun task per rank, each joining through rank 0's torch store, which anything on the "
+               "network can reach (the default on one node)")
     _flag(slurm, "--no-requeue", dest="requeue", action="store_false",
           help="do not ask Slurm to requeue the job on preemption")
     _flag(slurm, "-o", "--output", default=None, help="write here instead of printing")

@@ -179,7 +179,7 @@ def _open_store_warning(world: World) -> str | None:
     return (f"rank 0 hosts this job's rendezvous store at {world.master_addr}:{world.master_port} with torch's "
             f"TCPStore, which cannot ask for a secret: anything that can reach that port can read the job's keys "
             f"or join it as a rank. To let only the job in, run `dptrain run` on each node with a secret: "
-            f"`dptrain slurm-script --per-node` writes that sbatch file")
+            f"`dptrain slurm-script --nodes N` (without --per-task) writes that sbatch file")
 
 
 def _prefixed(base: dist.Store, world: World, part: str) -> dist.Store:

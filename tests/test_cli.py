@@ -75,7 +75,7 @@ def test_python_dash_m_dptrain_works():
 def test_slurm_script(tmp_path, capsys):
     target = tmp_path / "job.sbatch"
     assert main(["slurm-script", "--nodes", "2", "--gpus-per-node", "4", "--partition", "gpu", "--time", "00:05:00",
-                 "-o", str(target), "train.py", "--epochs", "3"]) == 0
+                 "--per-task", "-o", str(target), "train.py", "--epochs", "3"]) == 0
     text = target.read_text()
     for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --partition=gpu", "#SBATCH --time=00:05:00",
@@ -86,6 +86,16 @@ def test_slurm_script(tmp_path, capsys):
     assert "MASTER_PORT" not in text  # dptrain.init derives the rendezvous from Slurm's variables
     assert main(["slurm-script", "--nodes", "1", "train.py"]) == 0
     assert "#SBATCH --ntasks-per-node=1" in capsys.readouterr().out
+
+
+def test_slurm_script_on_several_nodes_runs_a_launcher_per_node_with_a_secret_by_default(capsys):
+    """One task per rank joins through rank 0's torch store, which nothing can guard: not the default."""
+    assert main(["slurm-script", "--nodes", "2", "--gpus-per-node", "4", "train.py"]) == 0
+    text = capsys.readouterr().out
+    assert "#SBATCH --ntasks-per-node=1" in text and "-m dptrain run --nnodes 2 --nproc-per-node 4" in text
+    assert "DPTRAIN_SECRET_FILE" in text and "umask 077" in text
+    assert main(["slurm-script", "--nodes", "2", "--per-node", "--per-task", "train.py"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
 
 
 def test_slurm_script_per_node_runs_the_launcher_on_each_node(capsys):

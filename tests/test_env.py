@@ -186,7 +186,7 @@ def test_rank_0_of_a_slurm_job_across_nodes_says_its_store_is_open():
     # srun, one task per rank: rank 0 hosts torch's TCPStore, which nothing can guard (issue 31, point 12).
     across = World(rank=0, world_size=8, local_world_size=4, master_addr="gpu07", master_port=15042, source="slurm")
     said = dptrain.env._open_store_warning(across)
-    assert "gpu07:15042" in said and "dptrain slurm-script --per-node" in said
+    assert "gpu07:15042" in said and "without --per-task" in said
     one_node = World(rank=0, world_size=4, local_world_size=4, master_addr="gpu07", master_port=1, source="slurm")
     torchrun = World(rank=0, world_size=8, local_world_size=4, master_addr="a", master_port=1, source="torchrun")
     assert dptrain.env._open_store_warning(one_node) is None and dptrain.env._open_store_warning(torchrun) is None

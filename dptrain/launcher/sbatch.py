@@ -1,16 +1,17 @@
 """``dptrain slurm-script``: write an sbatch file that runs a dptrain script on Slurm.
 
-The file starts one task per rank with ``srun``; each task finds its rank, the world size,
-its local rank and the master address from Slurm's variables (see
+On one node the file starts one task per rank with ``srun``; each task finds its rank, the
+world size, its local rank and the master address from Slurm's variables (see
 :mod:`dptrain.environments.slurm`), so no ``torchrun`` runs inside the allocation and no
-rendezvous endpoint has to be spelled out. With ``--per-node`` one task per node runs
-``dptrain run`` for that node's ranks instead, and the file gives the job a secret of its own:
-it writes a fresh one (``umask 077``: a file only the user can read, in the job's folder, which
-every node sees), hands its path to every node's launcher (``DPTRAIN_SECRET_FILE``, which srun
-passes on) and removes it when the job ends, so that nothing else on the cluster's network can
-read, stop or join the job (see [Note: only the job gets in] in :mod:`dptrain.launcher.auth`).
-One task per rank has no launcher to hold it: rank 0 hosts torch's store, open to the network,
-and the file says so. Either way the job asks for SIGUSR1 90 s before its end and may be
+rendezvous endpoint has to be spelled out. On several nodes (or with ``--per-node``) one task
+per node runs ``dptrain run`` for that node's ranks instead, and the file gives the job a
+secret of its own: it writes a fresh one (``umask 077``: a file only the user can read, in the
+job's folder, which every node sees), hands its path to every node's launcher
+(``DPTRAIN_SECRET_FILE``, which srun passes on) and removes it when the job ends, so that
+nothing else on the cluster's network can read, stop or join the job (see [Note: only the job
+gets in] in :mod:`dptrain.launcher.auth`). ``--per-task`` keeps one task per rank on several
+nodes too; with no launcher to hold it, rank 0 hosts torch's store, open to the network, and
+the file says so. Either way the job asks for SIGUSR1 90 s before its end and may be
 requeued: the Trainer checkpoints, requeues and later resumes.
 """
 
@@ -35,7 +36,8 @@ def render_sbatch(ns: Any) -> str:
         The text of the batch script.
 
     Raises:
-        ValueError: a count is below 1 or the time limit is malformed.
+        ValueError: a count is below 1, the time limit is malformed, or both ``--per-node`` and
+            ``--per-task`` are given.
 
     Example:
         $ dptrain slurm-script --nodes 2 --gpus-per-node 4 train.py --epochs 10 > job.sbatch
@@ -56,7 +58,12 @@ def render_sbatch(ns: Any) -> str:
     if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d\d){0,2}", ns.time):
         raise ValueError(f"--time {ns.time!r} is not a Slurm time limit such as 01:00:00 or 2-00:00:00")
     safe_name = re.sub(r"[^A-Za-z0-9_.-]", "_", ns.job_name)
-    per_node = bool(getattr(ns, "per_node", False))
+    per_task = bool(getattr(ns, "per_task", False))
+    if per_task and getattr(ns, "per_node", False):
+        raise ValueError("--per-node and --per-task exclude each other: give one (or neither for the default)")
+    # Several nodes: a launcher per node by default, the only form whose store a secret guards
+    # (torch's TCPStore in rank 0, which one task per rank joins, cannot authenticate).
+    per_node = bool(getattr(ns, "per_node", False)) or (ns.nodes > 1 and not per_task)
     python = shlex.quote(sys.executable)  # this environment's interpreter, not whatever `python` is there
     script = " ".join(shlex.quote(a) for a in [ns.program, *ns.args])
     lines = [
@@ -111,7 +118,7 @@ def render_sbatch(ns: Any) -> str:
             f"# {ns.nodes * tasks} ranks: {ns.nodes} node(s) x {tasks} task(s). Each task finds its rank, the world,",
             "# its local rank, node 0's address and the job's port from Slurm's variables in dptrain.init().",
             "# Rank 0 hosts the rendezvous store with torch's TCPStore, which anything on the cluster's network can",
-            "# reach; `dptrain slurm-script --per-node` runs dptrain run on each node, with a secret for the job.",
+            "# reach; without --per-task, dptrain slurm-script runs dptrain run on each node, with a secret for the job.",
             f"srun --kill-on-bad-exit=1 {python} -u {script}",
             "",
         ]

@@ -367,5 +367,5 @@ def test_slurm_script_gives_every_node_a_fresh_secret_only_the_user_can_read(tmp
     assert "-m dptrain run --nnodes 2" in srun and "train.py" in srun
     assert not list(tmp_path.glob(".dptrain*")), "the secret outlives the job"
     # One task per rank (no launcher inside the job): said in the file.
-    assert main(["slurm-script", "--nodes", "2", "train.py"]) == 0
-    assert "--per-node" in capsys.readouterr().out
+    assert main(["slurm-script", "--nodes", "2", "--per-task", "train.py"]) == 0
+    assert "anything on the cluster's network can" in capsys.readouterr().out
