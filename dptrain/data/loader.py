@@ -116,7 +116,7 @@ class DistributedDataLoader(torch.utils.data.DataLoader):
 def prepare_dataloader(
     dataset: Any,
     batch_size: int | None,
-    shuffle: bool = True,
+    shuffle: bool | str = True,
     num_workers: int = 0,
     drop_last: bool = False,
     mode: str = "train",
@@ -132,7 +132,10 @@ def prepare_dataloader(
         dataset: a map-style dataset.
         batch_size: samples per batch on this rank (the global batch is
             ``batch_size * world_size``); ``None`` yields single samples.
-        shuffle: shuffle each epoch (``mode="train"`` only). Default True.
+        shuffle: shuffle each epoch (``mode="train"`` only): ``True`` (PyTorch's order),
+            ``False``, or ``"lazy"`` (an order computed index by index, whose cost does not
+            grow with the data set; not PyTorch's order -- see
+            :class:`~dptrain.data.DistributedSampler`). Default True.
         num_workers: DataLoader worker processes. Default 0 (load in this process).
         drop_last: drop the incomplete last batch *and* let the sampler cut the dataset to
             a multiple of the world size instead of padding (``mode="train"`` only).

@@ -9,7 +9,9 @@ ranks -- without repeating or skipping samples.
 
 [Note: the global order of an epoch]
 ``base`` is ``torch.randperm(len(dataset))`` from a generator seeded with ``seed + epoch``
-(``shuffle=True``) or ``range(len(dataset))``. It is then made divisible by the world size W:
+(``shuffle=True``), ``range(len(dataset))`` (``shuffle=False``), or a keyed bijection of
+``[0, len(dataset))`` (``shuffle="lazy"``, see ``dptrain.data.order``). It is then made
+divisible by the world size W:
 
 - ``pad=True, drop_last=False`` (PyTorch's default): ``base`` is extended by repeating it
   from its start (several times over when the dataset is smaller than W) up to
@@ -22,6 +24,15 @@ Rank r takes positions r, r + W, r + 2W, ... of that order. As in PyTorch, an em
 dataset, or ``drop_last=True`` with fewer samples than ranks, gives every rank an empty
 shard (``len() == 0``, the iteration yields nothing); so does ``pad=False`` for the ranks
 beyond the end of a dataset smaller than the world.
+
+[Note: memory]
+No Python list of the epoch is built. With ``shuffle=True`` the permutation exists as one
+tensor (int32 below 2**31 samples) while this rank's share is read out of it; then only
+the share is kept (a tensor of ``len(dataset) / W`` entries), and its Python ints are made
+a chunk at a time as the loader asks. ``shuffle=False`` and ``shuffle="lazy"`` hold nothing
+the size of the data set: the index at a position is computed when it is read. A resume
+keeps the rest of the epoch as a range plus the positions where ranks stopped unevenly
+(``dptrain.data.order``), not as the materialized order.
 
 [Note: what counts as consumed]
 The position saved by ``state_dict()`` is ``consumed``, the number of this rank's samples
@@ -72,14 +83,15 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils.data
 
 from dptrain import env
+from dptrain.data.order import (Segment, Shard, arranged_size, index_dtype, keyed_permutation, materialize,
+                                remainder, shard)
 
 __all__ = ["DistributedSampler"]
 
@@ -121,42 +133,6 @@ def _dataset_len(dataset: Any) -> int:
         ) from None
 
 
-def _base_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    if not shuffle:
-        return list(range(n))
-    g = torch.Generator()
-    g.manual_seed(seed + epoch)  # PyTorch's choice: one stream per (seed + epoch)
-    return torch.randperm(n, generator=g).tolist()
-
-
-def _arrange(items: list[int], world: int, drop_last: bool, pad: bool) -> list[int]:
-    """Make ``items`` (owned by the caller, changed in place) divisible by ``world`` as PyTorch does."""
-    n = len(items)
-    if not pad or n == 0:
-        return items
-    if drop_last:
-        del items[n - n % world :]
-        return items
-    missing = math.ceil(n / world) * world - n
-    if missing:
-        items.extend((items[:missing] if missing <= n else items * math.ceil(missing / n))[:missing])
-    return items
-
-
-def _unseen(order: list[int], world: int, consumed: Sequence[int]) -> list[int]:
-    """The remainder of a segment: positions not consumed, minus seen samples and repeats."""
-    arr = np.asarray(order, dtype=np.int64)
-    taken = np.zeros(len(arr), dtype=bool)
-    for r, count in enumerate(consumed):
-        taken[r : r + count * world : world] = True
-    seen = np.zeros(int(arr.max()) + 1 if len(arr) else 0, dtype=bool)
-    seen[arr[taken]] = True
-    rest = arr[~taken]
-    rest = rest[~seen[rest]]
-    _, first = np.unique(rest, return_index=True)  # first occurrence of each sample, in order
-    return rest[np.sort(first)].tolist()
-
-
 def _shard_len(total: int, world: int, rank: int) -> int:
     return len(range(rank, total, world))
 
@@ -186,7 +162,15 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             given explicitly, ``num_replicas`` and ``rank`` need none (as in PyTorch).
         rank: this rank, ``0 <= rank < num_replicas``; any integer type (a numpy integer,
             a one-element integer tensor) is accepted. Default: ``dptrain.rank()``.
-        shuffle: shuffle the order each epoch (seeded by ``seed + epoch``). Default True.
+        shuffle: ``True``: PyTorch's shuffle, ``torch.randperm`` seeded by ``seed + epoch``
+            (built once per epoch as a tensor, of which this rank keeps only its share).
+            ``False``: dataset order. ``"lazy"``: a different shuffle whose cost does not
+            grow with the data set -- a bijection of ``[0, len(dataset))`` keyed by
+            ``(seed, epoch)``, computed index by index as the loader reads, so an epoch of
+            10^9 samples starts at once in O(1) memory. It is *not* PyTorch's order (the
+            same seed gives other batches than ``shuffle=True``), but it has the same
+            padding, ``drop_last``, resume and evaluation rules, and every sample still
+            comes exactly once per epoch across the ranks. Default True.
         seed: shuffling seed; must be the same on every rank. Default 0.
         drop_last: cut the tail so every rank gets ``floor(n / num_replicas)`` samples,
             instead of padding by repeats. Default False.
@@ -201,7 +185,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
     Raises:
         ValueError: ``num_replicas < 1``; ``rank`` outside ``[0, num_replicas)``;
-            ``pad=False`` together with ``drop_last=True``.
+            ``pad=False`` together with ``drop_last=True``; ``shuffle`` a string other
+            than ``"lazy"``.
         RuntimeError: ``num_replicas`` or ``rank`` left to its default while the launcher
             says the world is larger and no process group exists (``dptrain.init()`` not
             called): every rank would shard while training alone.
@@ -228,7 +213,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         dataset: Any,
         num_replicas: int | None = None,
         rank: int | None = None,
-        shuffle: bool = True,
+        shuffle: bool | str = True,
         seed: int = 0,
         drop_last: bool = False,
         pad: bool = True,
@@ -247,6 +232,11 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             raise ValueError(
                 f"rank {rank!r} is outside [0, {num_replicas - 1}] for num_replicas={num_replicas}; "
                 f"pass rank=dptrain.rank() (or leave rank=None)"
+            )
+        if isinstance(shuffle, str) and shuffle != "lazy":
+            raise ValueError(
+                f"shuffle must be True, False or \"lazy\", got {shuffle!r}; use shuffle=True for PyTorch's order "
+                f"or shuffle=\"lazy\" for an order computed index by index (no per-epoch cost in the data set's size)"
             )
         if pad is False and drop_last:
             raise ValueError(
@@ -272,29 +262,52 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self._history: list[tuple[int, list[int]]] = []  # earlier segments of this epoch
         self._consumed = 0  # samples of the current segment handed out on this rank
         self._resume_pending = False  # the next __iter__ continues from _history/_consumed
-        self._prepared: list[int] | None = None  # indices handed to the next __iter__
-        self._current: list[int] | None = None  # what the running iteration yields
+        self._prepared: Shard | None = None  # indices handed to the next __iter__
+        self._current: Shard | None = None  # what the running iteration yields
         self._iteration = 0  # numbers iterations; a replaced one no longer counts its yields
-        self._order_cache: tuple[Any, list[int]] | None = None
+        self._shard_cache: tuple[Any, Shard] | None = None  # this rank's share of one segment
         self._epoch_set = False  # set_epoch was called since the last pass started
         self._warned_repeat = False  # the repeated-order warning was given (once per sampler)
 
     # ---- the order --------------------------------------------------------------------
 
-    def _segment_order(self, history: Sequence[tuple[int, Sequence[int]]], world: int) -> list[int]:
-        """Global order of the segment that follows ``history``, arranged for ``world`` ranks."""
-        key = (len(self.dataset), self.seed, self.epoch, tuple((w, tuple(c)) for w, c in history), world)
-        if self._order_cache is not None and self._order_cache[0] == key:
-            return self._order_cache[1]
-        worlds = [w for w, _ in history] + [world]
-        order = _arrange(_base_order(len(self.dataset), self.seed, self.epoch, self.shuffle), worlds[0],
-                         self.drop_last, self.pad)
-        for k, (w, consumed) in enumerate(history):
-            order = _arrange(_unseen(order, w, consumed), worlds[k + 1], self.drop_last, self.pad)
-        self._order_cache = (key, order)
-        return order
+    def _order(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Base position -> dataset index for this epoch (see ``dptrain.data.order``)."""
+        n, seed, epoch = len(self.dataset), self.seed, self.epoch
+        if self.shuffle == "lazy":
+            return lambda pos: keyed_permutation(pos, n, seed, epoch)
+        if not self.shuffle:
+            return lambda pos: pos
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)  # PyTorch's choice: one stream per (seed + epoch)
+        # As a tensor (int32 where it fits: randperm draws the same values for either dtype),
+        # never as a list: 4-8 bytes an index instead of ~36.
+        perm = torch.randperm(n, generator=g, dtype=index_dtype(n))
+        return lambda pos: perm[pos]
 
-    def _start_iteration(self) -> list[int]:
+    def _segment(self, history: Sequence[tuple[int, Sequence[int]]]) -> Segment:
+        """The base positions of the segment that follows ``history`` (the whole epoch if none)."""
+        seg = Segment(torch.zeros(0, dtype=torch.int64), 0, len(self.dataset))
+        for world, consumed in history:
+            seg = remainder(seg, world, consumed, self.drop_last, self.pad)
+        return seg
+
+    def _shard(self, history: Sequence[tuple[int, Sequence[int]]]) -> Shard:
+        """This rank's whole share of the segment after ``history``, for this world size."""
+        key = (len(self.dataset), self.seed, self.epoch, self.shuffle, self.drop_last, self.pad,
+               self.num_replicas, self.rank, tuple((w, tuple(c)) for w, c in history))
+        if self._shard_cache is not None and self._shard_cache[0] == key:
+            return self._shard_cache[1]
+        self._shard_cache = None  # let the last share go before the next is built
+        share = shard(self._segment(history), self.num_replicas, self.rank, self.drop_last, self.pad, self._order())
+        if self.shuffle and self.shuffle != "lazy":
+            # PyTorch's order: read this rank's share out of the permutation once; the
+            # permutation is dropped with the lazy share when this returns.
+            share = materialize(share, index_dtype(len(self.dataset)))
+        self._shard_cache = (key, share)
+        return share
+
+    def _start_iteration(self) -> Shard:
         """Enter the next iteration: the resumed remainder once after a load, else the epoch."""
         self._iteration += 1
         if self._resume_pending:
@@ -304,12 +317,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             self._warn_if_repeated()
             self._history, self._consumed, skip = [], 0, 0
         self._epoch_set = False
-        if not self._history and skip == 0:
-            order = _arrange(_base_order(len(self.dataset), self.seed, self.epoch, self.shuffle),
-                             self.num_replicas, self.drop_last, self.pad)
-        else:
-            order = self._segment_order(self._history, self.num_replicas)
-        self._current = order[self.rank + skip * self.num_replicas :: self.num_replicas]
+        self._current = None
+        self._current = self._shard(self._history)[skip:]
         return self._current
 
     def _warn_if_repeated(self) -> None:
@@ -340,7 +349,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             return iter(indices)
         return self._yield_counted(indices, self._iteration)
 
-    def _yield_counted(self, indices: list[int], iteration: int) -> Iterator[int]:
+    def _yield_counted(self, indices: Shard, iteration: int) -> Iterator[int]:
         for index in indices:
             # Counted before it is handed over, so a state saved after k items says k. After
             # set_epoch, load_state_dict or a newer iteration, this one no longer owns the count.
@@ -365,9 +374,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     def _segment_len(self, rank: int, history=None, world: int | None = None) -> int:
         history = self._history if history is None else history
         world = self.num_replicas if world is None else world
-        if not history:
-            return _shard_len(_arranged_size(len(self.dataset), world, self.drop_last, self.pad), world, rank)
-        return _shard_len(len(self._segment_order(history, world)), world, rank)
+        return _shard_len(arranged_size(len(self._segment(history)), world, self.drop_last, self.pad), world, rank)
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch, which seeds the shuffle (``seed + epoch``).
@@ -391,25 +398,25 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.epoch = epoch
         self._epoch_set = True
 
-    def indices(self) -> list[int]:
+    def indices(self) -> Shard:
         """The dataset indices the current (or next) iteration yields on this rank, in order.
 
         Unlike ``list(sampler)`` this does not start an iteration (which would discard a
-        restored position). Use it to pair evaluation outputs with their samples::
+        restored position). The result is a read-only sequence of Python ints that is
+        computed as it is read rather than held as a list: it compares equal to the list of
+        the same indices, and ``torch.as_tensor``, ``np.asarray`` and ``.tolist()`` convert
+        it. Use it to pair evaluation outputs with their samples::
 
             preds = torch.cat([model(x) for x, _ in loader])
             dptrain.gather_results(preds, loader.sampler.indices())
         """
         if self._prepared is not None:
-            return list(self._prepared)
+            return self._prepared
         if self._resume_pending:
-            order = self._segment_order(self._history, self.num_replicas)
-            return order[self.rank + self._consumed * self.num_replicas :: self.num_replicas]
+            return self._shard(self._history)[self._consumed :]
         if self._current is not None:
-            return list(self._current)
-        order = _arrange(_base_order(len(self.dataset), self.seed, self.epoch, self.shuffle),
-                         self.num_replicas, self.drop_last, self.pad)
-        return order[self.rank :: self.num_replicas]
+            return self._current
+        return self._shard([])
 
     # ---- the position -----------------------------------------------------------------
 
@@ -554,8 +561,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
         previous = (self.epoch, self.seed)
         self.epoch, self.seed = int(state["epoch"]), int(state["seed"])
+        total = arranged_size(len(self._segment(history)), world, self.drop_last, self.pad)
         for r, count in enumerate(counts):
-            limit = self._segment_len(r, history, world)
+            limit = _shard_len(total, world, r)
             if not 0 <= count <= limit:
                 self.epoch, self.seed = previous  # a rejected state leaves the sampler as it was
                 raise ValueError(
@@ -570,12 +578,6 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self._resume_pending = True
         self._prepared = None
         self._current = None
-
-
-def _arranged_size(n: int, world: int, drop_last: bool, pad: bool) -> int:
-    if not pad:
-        return n
-    return (n // world) * world if drop_last else math.ceil(n / world) * world
 
 
 def _check_state_keys(state: Any) -> None:

@@ -99,15 +99,16 @@ def _outputs(net: nn.Module, loader: Any, device: torch.device, lockstep: bool, 
     return outs, tgts
 
 
-def eval_indices(loader: Any) -> list[int]:
-    """The dataset indices of this rank's evaluation shard, in the order the loader yields them."""
+def eval_indices(loader: Any) -> torch.Tensor:
+    """The dataset indices of this rank's evaluation shard, in the order the loader yields them (int64)."""
     sampler = getattr(loader, "sampler", None)
     if sampler is None:
         raise ValueError("evaluation needs a DataLoader whose sampler lists the dataset indices (dptrain.prepare_dataloader(mode='eval'))")
     # sampler.indices() lists the shard without starting an iteration (which would
     # discard a restored position); any other sampler is simply iterated.
-    listed = sampler.indices() if hasattr(sampler, "indices") else iter(sampler)
-    return [int(i) for i in listed]
+    # A tensor, not a list of Python ints: ~36 bytes an index less on a large dev set.
+    listed = sampler.indices() if hasattr(sampler, "indices") else [int(i) for i in sampler]
+    return torch.as_tensor(listed, dtype=torch.int64).reshape(-1)
 
 
 def _stand_in_batch(loader: Any) -> Any:
