@@ -563,6 +563,13 @@ def test_a_second_shuffled_pass_without_set_epoch_warns_once(warn_afresh):
     _drain(loader)
     with pytest.warns(UserWarning, match=r"starts in epoch 3 again.*loader\.set_epoch\(epoch\)"):
         _drain(loader)
+    # set_epoch called every epoch, but with the same number: the order repeats just the same
+    loader = prepare_dataloader(Indexed(10), 2, drop_last=False, num_replicas=2, rank=0)
+    loader.set_epoch(5)
+    _drain(loader)
+    loader.set_epoch(5)
+    with pytest.warns(UserWarning, match=r"starts in epoch 5 again"):
+        _drain(loader)
 
 
 def test_no_repeat_warning_where_a_pass_repeats_nothing_or_is_meant(warn_afresh):

@@ -326,14 +326,17 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
         That is a pass of this epoch that handed out samples (what ``_consumed`` or a resume
         chain still records: set_epoch with another epoch and every fresh pass reset them),
-        and no set_epoch call since. Any set_epoch call counts as the loop keeping its epochs
-        (the Trainer's, or one after a look at the first batch), so only a forgotten one warns.
-        Without shuffling, or in the exact-evaluation partition (``pad=False``), the order does
-        not matter.
+        and no set_epoch call since -- or a set_epoch call that kept the epoch of a pass the loop
+        took to its end (``set_epoch(0)`` every epoch). A set_epoch call after a pass left
+        unfinished (a look at the first batch, the Trainer re-entering a stopped epoch) is the
+        loop keeping its epochs, and does not warn. Without shuffling, or in the
+        exact-evaluation partition (``pad=False``), the order does not matter.
         """
-        if self._warned_repeat or self._epoch_set or not (self.shuffle and self.pad):
+        if self._warned_repeat or not (self.shuffle and self.pad):
             return
         if self._consumed == 0 and not self._history:
+            return
+        if self._epoch_set and self._consumed < self._segment_len(self.rank):
             return
         self._warned_repeat = True
         env._warn_once_main(
@@ -383,8 +386,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         discards a position restored by :meth:`load_state_dict`; setting the restored
         epoch again keeps it, so ``load_state_dict(s); set_epoch(s["epoch"])`` resumes.
         A shuffling sampler that starts another pass of an epoch without a ``set_epoch``
-        call since its last pass handed out samples warns once (from rank 0): forgotten,
-        every epoch would see the same order.
+        call since its last pass handed out samples, or after ``set_epoch`` with the epoch of
+        a pass that ran to its end, warns once (from rank 0): every epoch would see the same
+        order.
 
         Args:
             epoch: the epoch number.
