@@ -23,23 +23,11 @@ from hypothesis import strategies as st
 
 from dptrain.data import DistributedSampler, prepare_dataloader
 from dptrain.data.order import keyed_permutation
-
-
-class Sized(tud.Dataset):
-    """n samples, item i is i."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return i
+from tests.test_data import Indexed
 
 
 def _sampler(n, world, rank, shuffle=True, seed=0, epoch=0, drop_last=False, pad=True):
-    s = DistributedSampler(Sized(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
+    s = DistributedSampler(Indexed(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
                            drop_last=drop_last, pad=pad)
     s.set_epoch(epoch)
     return s
@@ -114,7 +102,7 @@ def test_the_default_still_matches_torch_on_a_million_samples():
     n = 10**6 + 7
     for rank in (0, 7):
         ours = _sampler(n, 8, rank, seed=5, epoch=3)
-        ref = tud.DistributedSampler(Sized(n), num_replicas=8, rank=rank, seed=5)
+        ref = tud.DistributedSampler(Indexed(n), num_replicas=8, rank=rank, seed=5)
         ref.set_epoch(3)
         assert ours.indices() == list(ref)
         assert all(type(i) is int for i in itertools.islice(iter(ours), 3))
@@ -202,19 +190,19 @@ def test_lazy_shuffle_resumes_mid_epoch_and_on_another_world_size_exactly_once()
 
 
 def test_lazy_shuffle_through_prepare_dataloader_and_its_state():
-    loader = prepare_dataloader(Sized(50), batch_size=4, shuffle="lazy", num_replicas=2, rank=1, seed=3)
+    loader = prepare_dataloader(Indexed(50), batch_size=4, shuffle="lazy", num_replicas=2, rank=1, seed=3)
     loader.set_epoch(2)
     first = [b.tolist() for b in itertools.islice(iter(loader), 3)]
     state = loader.state_dict()
     assert state["sampler"]["shuffle"] == "lazy" and state["sampler"]["consumed"] == 12
-    again = prepare_dataloader(Sized(50), batch_size=4, shuffle="lazy", num_replicas=2, rank=1, seed=3)
+    again = prepare_dataloader(Indexed(50), batch_size=4, shuffle="lazy", num_replicas=2, rank=1, seed=3)
     again.load_state_dict(state)
     rest = [i for b in again for i in b.tolist()]
     assert sum(first, []) + rest == list(_sampler(50, 2, 1, "lazy", seed=3, epoch=2))
     with pytest.raises(ValueError, match="shuffle=lazy"):
-        prepare_dataloader(Sized(50), batch_size=4, shuffle=True, num_replicas=2, rank=1).load_state_dict(state)
+        prepare_dataloader(Indexed(50), batch_size=4, shuffle=True, num_replicas=2, rank=1).load_state_dict(state)
     with pytest.raises(ValueError, match='True, False or "lazy"'):
-        DistributedSampler(Sized(5), 1, 0, shuffle="blockwise")
+        DistributedSampler(Indexed(5), 1, 0, shuffle="blockwise")
 
 
 def test_lazy_shuffle_of_a_trillion_samples_starts_at_once():

@@ -7,7 +7,6 @@ ignores what is malformed with one warning line, and only a launcher's failure r
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -17,22 +16,18 @@ import pytest
 
 from dptrain._heartbeat import keys_prefix
 from dptrain.launcher.membership import Elastic, Membership
-from dptrain.launcher.store import StoreClient, StoreServer
+from dptrain.launcher.store import StoreClient
 from dptrain.launcher.store_values import Warnings, clean, failure_text
 from dptrain.launcher.watch import Watch, peer_failure
 from tests.launcher.test_launch import dptrain_run
+from tests.launcher.test_store import server  # noqa: F401 - the fixture: a store on a free port
 
 
 @pytest.fixture
-def client():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    server = StoreServer(sock)
+def client(server):
     c = StoreClient("127.0.0.1", server.port, timeout=5)
     yield c
     c.close()
-    server.close()
 
 
 def _clean_lines(lines: list[str]) -> None:
