@@ -11,6 +11,7 @@ what the caller passed is handed on (defaults stay dptrain's, which equal torch'
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -22,7 +23,6 @@ __all__ = ["EXTENSIONS", "bind_arguments", "check_bucket_cap_mb", "installed_sig
 EXTENSIONS = ("shm", "compression", "overlap_optimizer")  # ours, keyword only, not in PyTorch's DDP
 
 _cache: dict[Any, inspect.Signature] = {}
-_torch_class: list[type] = []
 
 
 def _is_torchs(cls: Any) -> bool:
@@ -33,6 +33,7 @@ def _is_torchs(cls: Any) -> bool:
     )
 
 
+@functools.cache
 def torch_ddp() -> type:
     """PyTorch's own ``DistributedDataParallel`` class, also where torch's names were rebound to ours.
 
@@ -42,8 +43,6 @@ def torch_ddp() -> type:
     genuine class is found by where it was defined: the names first, then among ``nn.Module``'s
     direct subclasses, where the class stays whatever its module attribute now holds.
     """
-    if _torch_class:
-        return _torch_class[0]
     candidates = [
         getattr(nn.parallel.distributed, "DistributedDataParallel", None),
         getattr(nn.parallel, "DistributedDataParallel", None),
@@ -51,7 +50,6 @@ def torch_ddp() -> type:
     ]
     for cls in candidates:
         if _is_torchs(cls):
-            _torch_class.append(cls)
             return cls
     raise RuntimeError(  # only a torch whose DDP moved, which dptrain's supported range excludes
         f"dptrain could not find torch.nn.parallel.distributed.DistributedDataParallel in torch {torch.__version__}"
