@@ -35,6 +35,7 @@ class _Job:
 
     store: Any = None
     timeout = datetime.timedelta(seconds=_heartbeat.DEFAULT_TIMEOUT_S)
+    generation = 0  # of the process group (see dptrain._regroup)
 
 
 _JOB = _Job()
@@ -44,6 +45,14 @@ _seq: dict[str, int] = {}  # debug cross-check: collectives per group so far
 def configure(store: Any, timeout: datetime.timedelta) -> None:
     """Called by ``dptrain.init``: where dptrain's keys live, and how long a collective may wait."""
     _JOB.store, _JOB.timeout = store, timeout
+
+
+def new_generation(generation: int) -> None:
+    """In-place recovery formed process group ``generation``: collectives count from 0 again, under
+    its name, and this rank is no longer one whose collective failed."""
+    _JOB.generation = generation
+    _seq.clear()
+    _heartbeat.new_generation()
 
 
 def reset() -> None:
@@ -59,6 +68,7 @@ def reset() -> None:
     _seq.clear()
     _heartbeat.reset_progress()
     _JOB.store = None
+    _JOB.generation = 0
 
 
 def debug_enabled() -> bool:
@@ -66,12 +76,14 @@ def debug_enabled() -> bool:
 
 
 def _group_key(group: Any) -> str:
+    # After an in-place recovery the collectives count from 0 again under the new generation's name.
+    gen = f"gen{_JOB.generation}/" if _JOB.generation else ""
     if group is None:
-        return "world"
+        return gen + "world"
     try:
-        return "g" + "-".join(str(r) for r in dist.get_process_group_ranks(group))
+        return gen + "g" + "-".join(str(r) for r in dist.get_process_group_ranks(group))
     except Exception:  # noqa: BLE001 - older torch: fall back to the object's identity
-        return f"g{id(group)}"
+        return f"{gen}g{id(group)}"
 
 
 def _describe(name: str, tensors: Sequence[torch.Tensor]) -> dict:

@@ -113,6 +113,12 @@ def progress() -> dict[str, Any]:
     return _progress
 
 
+def new_generation() -> None:
+    """In-place recovery re-formed the process group: its collectives count from 0, as a replacement's
+    do (the steps go on counting)."""
+    _progress.update(seq=0, op="", failed=False)
+
+
 def reset_progress() -> None:
     _progress.update(seq=0, op="", ticks=0, ddp_steps=0, failed=False)
 

@@ -41,10 +41,11 @@ class Setting:
     """One ``DPTRAIN_*`` variable.
 
     ``kind`` is ``"seconds"`` or ``"number"`` (a float in ``low``..``high``; ``low`` itself
-    only with ``low_ok``), ``"switch"`` (a bool: 1/true/yes/on or 0/false/no/off),
-    ``"choice"`` (one of ``choices``, any case), ``"file"`` (the path of a file that exists,
-    ``~`` expanded) or ``"secret"`` (text of at least ``low`` characters, never shown in a
-    message). ``default`` is what :func:`get` returns when the variable is unset;
+    only with ``low_ok``), ``"count"`` (a whole number in ``low``..``high``, read as an int),
+    ``"switch"`` (a bool: 1/true/yes/on or 0/false/no/off), ``"choice"`` (one of ``choices``,
+    any case), ``"file"`` (the path of a file that exists, ``~`` expanded), ``"directory"``
+    (the path of a directory that exists) or ``"secret"`` (text of at least ``low``
+    characters, never shown in a message). ``default`` is what :func:`get` returns when the variable is unset;
     ``default_text`` says it in words where it is None.
     """
 
@@ -68,6 +69,10 @@ class Setting:
             return "one of " + ", ".join(self.choices)
         if self.kind == "file":
             return "a file that exists"
+        if self.kind == "directory":
+            return "a directory that exists"
+        if self.kind == "count":
+            return f"a whole number from {self.low:.0f} to {self.high:.0f}"
         if self.kind == "secret":
             return f"a secret of at least {self.low:.0f} characters"
         above = f"{self.low:g} or more" if self.low_ok else f"above {self.low:g}"
@@ -87,6 +92,15 @@ class Setting:
             if os.path.isfile(os.path.expanduser(raw)):
                 return raw
             raise ValueError(raw)
+        if self.kind == "directory":
+            if os.path.isdir(os.path.expanduser(raw)):
+                return raw
+            raise ValueError(raw)
+        if self.kind == "count":
+            count = int(raw)  # ValueError for 'abc' and for '1.5'
+            if not self.low <= count <= self.high:
+                raise ValueError(raw)
+            return count
         if self.kind == "secret":
             if len(raw.encode()) >= self.low:
                 return raw
@@ -141,6 +155,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("DPTRAIN_PROGRESS", "choice", None, "how a rank shows the Trainer's progress: a live bar (tty), "
             "lines now and then (lines), or not at all (off); set by dptrain run", "lines",
             choices=("tty", "lines", "off"), default_text="a bar when stderr is a terminal, else lines"),
+    # In-place recovery (dptrain run --recovery in-place): the launcher's message to its ranks.
+    Setting("DPTRAIN_RECOVERY", "choice", "restart", "what the ranks of dptrain run do when one fails: restart "
+            "(the launcher restarts them all) or in-place (the others keep running and a replacement joins them); "
+            "set by dptrain run --recovery", "in-place", choices=("restart", "in-place"), default_text="restart"),
+    Setting("DPTRAIN_RECOVERY_DIR", "directory", None, "with in-place recovery: the job's private folder (under "
+            "/dev/shm where there is one) where each rank keeps its in-memory snapshot; made, set and removed by "
+            "dptrain run", "/tmp", default_text="none"),
+    Setting("DPTRAIN_GENERATION", "count", 0, "with in-place recovery: 0 for a rank started with the job, g for a "
+            "replacement started for generation g of the process group; set by dptrain run", "1", high=1e9),
 )}
 
 

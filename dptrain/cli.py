@@ -106,6 +106,8 @@ _MAIN_EXAMPLES = """examples:
 _RUN_EXAMPLES = """examples:
   dptrain run --nproc-per-node 2 train.py --lr 0.1
   dptrain run --nproc-per-node 4 --max-restarts 3 train.py        # restart the whole job on failure
+  # a Trainer script: replace only the failed rank, from a process kept ready; the others keep running
+  dptrain run --nproc-per-node 4 --max-restarts 3 --recovery in-place --spares 1 train.py
   dptrain run --log-ranks 0 --nproc-per-node 8 train.py           # show only rank 0's output
   dptrain run --profile --nproc-per-node 2 train.py               # per-rank step report (Trainer)
   # two machines (run on each, with node 0's address, and the same secret on each):
@@ -199,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="launch a training script on several processes (like torchrun)",
-        description="Start N ranks of a script with torchrun's environment; stop them all if one fails.",
+        description="Start N ranks of a script with torchrun's environment; stop them all if one fails (with "
+                    "--recovery in-place: replace that one only).",
         epilog=_RUN_EXAMPLES, formatter_class=examples,
     )
     _flag(run, "--nproc-per-node", type=_nproc, default=1, metavar="N|auto", help="ranks on this node (default 1)")
@@ -212,8 +215,19 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(run, "--master-addr", default=None, help="address of node 0 (required with --nnodes > 1)")
     _flag(run, "--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     _flag(run, "--log-ranks", type=_ranks, default=None, metavar="R[,R...]", help="show only these ranks' output")
-    _flag(run, "--max-restarts", type=int, default=0, help="restart the whole job this many times on failure")
-    _flag(run, "--timeout", type=float, default=None, help="seconds a collective may wait (default 600)")
+    _flag(run, "--max-restarts", type=int, default=0,
+          help="restart the whole job this many times on failure (with --recovery in-place: replace a failed rank "
+               "this many times, whole-job restarts included)")
+    _flag(run, "--recovery", default="restart", choices=["restart", "in-place"],
+          help="what a failure costs: restart stops every rank and restarts them all (default); in-place replaces "
+               "only the failed or stalled rank and the others keep running (a dptrain.Trainer script on every rank; "
+               "else the whole job restarts, and says why once)")
+    _flag(run, "--spares", type=int, default=0, metavar="N",
+          help="with --recovery in-place: keep N processes per node that have imported torch and dptrain, ready to "
+               "replace a failed rank without a Python start (default 0)")
+    _flag(run, "--timeout", type=float, default=None,
+          help="seconds a collective may wait (default 600); with --recovery in-place, a rank that makes no progress "
+               "for longer while another waits for it is ended and replaced")
     _flag(run, "--debug", action="store_true", help="cross-check every collective across ranks")
     _flag(run, "--profile", action="store_true",
           help="per-rank step report: the Trainer times data, forward, backward, exposed communication, optimizer")
@@ -319,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 module=ns.module,
                 log_ranks=ns.log_ranks,
                 max_restarts=ns.max_restarts,
+                recovery=ns.recovery,
+                spares=ns.spares,
                 timeout=ns.timeout,
                 debug=ns.debug,
                 profile=ns.profile,

@@ -20,12 +20,13 @@ import dataclasses
 import datetime
 import os
 import warnings
+from contextlib import nullcontext
 from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from dptrain import _diagnostics, _heartbeat, _join, _settings, environments
+from dptrain import _diagnostics, _heartbeat, _join, _regroup, _settings, environments
 from dptrain import _exit  # also registers the wait for gloo's workers at exit (see dptrain._exit)
 from dptrain._heartbeat import DEFAULT_TIMEOUT_S
 from dptrain.environments import expand_nodelist
@@ -135,6 +136,8 @@ class _State:
     store: dist.Store | None = None  # prefixed store for dptrain's own keys (debug, heartbeats)
     timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
     owns_group: bool = False
+    base_store: dist.Store | None = None  # the job's store itself, unprefixed (in-place recovery re-forms groups on it)
+    generation: int = 0  # the process group's generation: see dptrain._regroup
 
 
 _STATE = _State()
@@ -185,11 +188,20 @@ def _open_store_warning(world: World) -> str | None:
 def _prefixed(base: dist.Store, world: World, part: str) -> dist.Store:
     # See _heartbeat's [Note: the store's key layout]: one prefix per launch attempt, then the
     # process group's keys ("pg") apart from dptrain's own ("dp", which the launcher reads too).
-    return dist.PrefixStore(part, dist.PrefixStore(_heartbeat.attempt_prefix(world.launch_attempt), base))
+    return _regroup.prefixed(base, world.launch_attempt, part)
 
 
 def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
     """Connect to the store and create the process group, saying what it waits for if it waits."""
+    generation = _settings.get("DPTRAIN_GENERATION")
+    if generation:
+        # A replacement started by in-place recovery: the other ranks are not in init() but
+        # re-forming the group of that generation (see dptrain._regroup).
+        base = _make_store(world, td)
+        keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART)
+        _STATE.base_store = base
+        _STATE.generation = _regroup.form(base, keys, world, backend, td, generation)
+        return keys
     def open_reader() -> dist.Store:
         reader = dist.TCPStore(world.master_addr, world.master_port, None, False,
                                timeout=datetime.timedelta(seconds=5))
@@ -200,9 +212,11 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
         base = _make_store(world, td)
         watch.connected = True
         keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART)
+        _STATE.base_store = base
         keys.append("joined", f"{world.rank},")
-        dist.init_process_group(backend, store=_prefixed(base, world, _heartbeat.PROCESS_GROUP_PART), rank=world.rank,
-                                world_size=world.world_size, timeout=td)
+        with _regroup.recording_connections() if _settings.get("DPTRAIN_RECOVERY") == "in-place" else nullcontext():
+            dist.init_process_group(backend, store=_prefixed(base, world, _heartbeat.PROCESS_GROUP_PART),
+                                    rank=world.rank, world_size=world.world_size, timeout=td)
         _join.wait_until_all_ready(keys, world.world_size, td)
     except Exception as exc:  # noqa: BLE001 - every failure to join gets what it waited for
         raise watch.failure(exc) from exc
@@ -283,6 +297,8 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         if open_store:
             _warn_once_main(open_store)
         _diagnostics.configure(_STATE.store, td)  # what the guarded collectives need to explain a failure
+        if _STATE.generation:
+            _diagnostics.new_generation(_STATE.generation)  # a replacement: collectives counted as the survivors count them
         _heartbeat.start(_STATE.store, world.rank)
         # A script that never calls shutdown() must still exit cleanly: a heartbeat thread or
         # process group torn down by the interpreter's exit aborts the process instead.
@@ -293,6 +309,25 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         _diagnostics.configure(None, td)
     _STATE.world, _STATE.backend, _STATE.timeout = world, chosen, td
     return world
+
+
+def _reform(generation: int) -> int:
+    """In-place recovery, a survivor's side: leave the broken process group, form ``generation``'s.
+
+    Returns the generation formed (a newer one when it was announced meanwhile; see [Note:
+    generations] in :mod:`dptrain._regroup`). Collectives count from 0 again, as the
+    replacement's do, so the launcher and the debug cross-check compare like with like.
+    """
+    for release in list(_AT_SHUTDOWN):  # the shared-memory groups over the broken group
+        release()
+    _regroup.cut_connections()  # see [Note: cutting a broken group's connections]
+    if dist.is_initialized():
+        _exit.settle_before_destroy()
+        dist.destroy_process_group()
+    g = _regroup.form(_STATE.base_store, _STATE.store, _STATE.world, _STATE.backend, _STATE.timeout, generation)
+    _STATE.generation = g
+    _diagnostics.new_generation(g)
+    return g
 
 
 # What layers above this one hold per process group and must let go of before the group
@@ -329,6 +364,8 @@ def shutdown() -> None:
     _STATE.world = None
     _STATE.backend = None
     _STATE.store = None
+    _STATE.base_store = None
+    _STATE.generation = 0
     _STATE.owns_group = False
 
 

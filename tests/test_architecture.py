@@ -30,7 +30,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
      ("dptrain._errors", "dptrain._exit", "dptrain._heartbeat", "dptrain._settings", "dptrain._torch_version")),
     ("who am I", ("dptrain.environments",)),
     ("joining a job and talking in it",
-     ("dptrain.env", "dptrain._join", "dptrain.comm", "dptrain._diagnostics")),
+     ("dptrain.env", "dptrain._join", "dptrain.comm", "dptrain._diagnostics", "dptrain._regroup")),
     ("shared memory among a node's ranks", ("dptrain._shm",)),
     ("the parts a training program uses",
      ("dptrain.data", "dptrain.checkpoint", "dptrain.models", "dptrain.seeding", "dptrain._tensors")),

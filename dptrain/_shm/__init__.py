@@ -7,6 +7,7 @@ Everything outside the package imports from here:
 * :func:`for_reducer` -- DDP's choice: one segment on one node, one per node across nodes
   (``nodes.py``), or none;
 * :func:`close_all` -- end every group's worker thread (``dptrain.shutdown`` and exit);
+  :func:`abort_all` -- the same without waiting for peers (in-place recovery);
 * :func:`node_identity`, :func:`shm_disabled_by_env`, :data:`SEGMENT_PREFIX` -- which node
   this is, whether ``DPTRAIN_SHM=0`` turned sharing off, and how segments are named
   (``segment.py``: the file, its mapping, the protocol, a dead peer's detection).
@@ -14,7 +15,7 @@ Everything outside the package imports from here:
 
 from __future__ import annotations
 
-from dptrain._shm.group import ShmGroup, Work, close_all, for_parameters
+from dptrain._shm.group import ShmGroup, Work, abort_all, close_all, for_parameters
 from dptrain._shm.nodes import for_reducer
 from dptrain._shm.segment import SEGMENT_PREFIX, ShmPeerError, shm_disabled_by_env
 from dptrain._shm.segment import _node_identity as node_identity
@@ -24,6 +25,7 @@ __all__ = [
     "ShmGroup",
     "ShmPeerError",
     "Work",
+    "abort_all",
     "close_all",
     "for_parameters",
     "for_reducer",

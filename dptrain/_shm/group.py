@@ -43,7 +43,7 @@ from dptrain._shm.segment import (
     shm_disabled_by_env,
 )
 
-__all__ = ["ShmGroup", "ShmPeerError", "Work", "for_parameters", "shm_disabled_by_env", "SEGMENT_PREFIX"]
+__all__ = ["ShmGroup", "ShmPeerError", "Work", "abort_all", "for_parameters", "shm_disabled_by_env", "SEGMENT_PREFIX"]
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -108,7 +108,7 @@ class _Runner:
     def submit(self, fn: Callable[[], None], what: str) -> Work:
         work = Work(what)
         with self.lock:
-            if self.seg.closed:
+            if self.seg.closed or self.seg.aborted is not None:
                 raise RuntimeError(f"{self.seg.what}: the shared-memory group was closed")
             if self.thread is None:
                 self.thread = threading.Thread(target=self._serve, daemon=True, name="dptrain-shm")
@@ -139,6 +139,17 @@ class _Runner:
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
 
+    def abort(self, reason: str, wait_s: float) -> bool:
+        """Fail the collective in progress and the queued ones at once, then stop (see
+        :meth:`ShmGroup.abort`); True when the worker ended within ``wait_s`` seconds."""
+        self.seg.abort(reason)
+        self.stop()
+        thread = self.thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(wait_s)
+        return not thread.is_alive()
+
 
 # Every live runner, so that the process can end their threads before it exits.
 _RUNNERS: "weakref.WeakSet[_Runner]" = weakref.WeakSet()
@@ -163,6 +174,20 @@ def close_all() -> None:
     """
     for runner in list(_RUNNERS):
         runner.stop(wait=True)
+
+
+def abort_all(reason: str = "the process group was re-formed", wait_s: float = 5.0) -> None:
+    """Abandon every group's collectives and end the worker threads, without waiting for peers.
+
+    For in-place recovery, before the broken process group is destroyed: unlike
+    :func:`close_all`, a worker that waits in a collective which a live peer will never issue
+    (the peer failed elsewhere first) gives up within a fraction of a second instead of at
+    the collective timeout; whoever waits on such a collective gets :class:`ShmPeerError`.
+    The groups cannot be used afterwards; build new ones over the new process group.
+    Each worker is waited for at most ``wait_s`` seconds (it only has to notice the flag).
+    """
+    for runner in list(_RUNNERS):
+        runner.abort(reason, wait_s)
 
 
 atexit.register(close_all)
@@ -382,6 +407,18 @@ class ShmGroup:
         """Stop the worker and unmap once queued collectives are done (the memory itself stays
         while tensors from :meth:`zeros` live). Also runs when the group is garbage-collected."""
         self._finalizer()
+
+    def abort(self, reason: str = "the process group was re-formed", wait_s: float = 5.0) -> bool:
+        """Abandon this group: the collective in progress and the queued ones fail at once
+        (:class:`ShmPeerError` for whoever waits on them), then the worker unmaps and ends.
+
+        For a group whose process group is gone (in-place recovery): :meth:`close` would let
+        a collective that a live peer never issues wait until the collective timeout. Not a
+        collective; the peers need not call it. Returns True when the worker ended within
+        ``wait_s`` seconds (it only has to notice the flag, within one wait slice).
+        """
+        self._finalizer.detach()
+        return self._runner.abort(reason, wait_s)
 
 
 # --------------------------------------------------------------------------- for DDP

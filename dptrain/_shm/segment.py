@@ -194,6 +194,7 @@ class _Segment:
         self.reads_pending: int | None = None  # all_gather: the barrier meaning "all have read"
         self.timeout_s = env.timeout().total_seconds()
         self.broken: str | None = None
+        self.aborted: str | None = None  # set from another thread by abort(): waits give up
         self.count = 0  # collectives issued, for messages
         self.closed = False
         self.path = ""
@@ -288,6 +289,9 @@ class _Segment:
             seen = counter.value
             if arrived():
                 return
+            if self.aborted is not None:
+                self.broken = f"the shared-memory group was aborted ({self.aborted})"
+                raise ShmPeerError(f"shared memory: {op} abandoned: {self.aborted}")
             now = time.monotonic()
             if now >= deadline or not self.alive(j):
                 if arrived():  # it arrived, then finished and exited, just now
@@ -303,6 +307,20 @@ class _Segment:
             why = f"rank {who} did not arrive: its process exited"
         self.broken = f"an earlier shared-memory collective failed ({why})"
         raise ShmPeerError(f"shared memory: {why}")
+
+    def abort(self, reason: str) -> None:
+        """Make the collective in progress and every later one fail at once (from any thread).
+
+        For a group whose process group is gone (in-place recovery): a peer that is alive but
+        will never issue the collective this rank waits in would otherwise hold the worker
+        until the collective timeout. The waiter sleeps in slices of ``_WAIT_SLICE_S`` and
+        checks the flag after each; the wake-up below cuts the slice short.
+        """
+        self.aborted = reason
+        self.broken = self.broken or f"the shared-memory group was aborted ({reason})"
+        if not self.closed:
+            for addr in self.addrs:  # the waiter sleeps on a peer's counter: wake it to look
+                _futex_wake(addr)
 
     def settle(self, op: str) -> None:
         """Before overwriting this rank's free space: wait until the ranks read the last all_gather."""

@@ -19,8 +19,10 @@ How ``dptrain run --nproc-per-node N train.py`` becomes N rank processes on this
    messages), ranks whose heartbeat stands still, ranks that exited early, and a failure that
    another node's launcher reported.
 5. When a rank fails, every rank of every node is stopped (TERM, then KILL) and the failure is
-   reported with its traceback; ``--max-restarts`` starts the next attempt on every node. When
-   all ranks are done, node 0 keeps the store up until every node's are
+   reported with its traceback; ``--max-restarts`` starts the next attempt on every node. With
+   ``--recovery in-place`` (``inplace``) only the failed (or stalled) rank is replaced, by a new
+   process or a hot spare that imported torch ahead (``spare``), and the others keep running.
+   When all ranks are done, node 0 keeps the store up until every node's are
    (``rendezvous.exit_barrier``).
 
 ``spawn`` is the same in one Python process (notebooks, tests): ``dptrain.spawn(fn, nprocs)``.

@@ -8,7 +8,8 @@ and the failure is reported with the rank, its exit code and the tail of its tra
 SIGINT, SIGTERM, SIGHUP and SIGQUIT stop every rank and end the launcher with 128 + the
 signal's number; if the launcher dies without a chance to do so (SIGKILL), its ranks die
 with it (see ``janitor``). ``--max-restarts`` restarts the whole job; with ``--nnodes
-MIN:MAX`` on the nodes that are still there (see ``membership``).
+MIN:MAX`` on the nodes that are still there (see ``membership``); with ``--recovery in-place``
+only the rank that failed is replaced (see ``inplace``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Callable
 from dptrain._heartbeat import EXITS_PUBLISHED, describe_exit, keys_prefix
 from dptrain import _settings
 from dptrain._join import ranks_text, wait_for_listener
+from dptrain.launcher.inplace import InPlaceRecovery, rank_settings
 from dptrain.launcher.janitor import Janitor
 from dptrain.launcher.membership import Elastic, Membership
 from dptrain.launcher.relay import Console
@@ -56,7 +58,11 @@ class LaunchConfig:
     else random); ``log_dir``, ``redirects`` and ``tee`` (torchrun's per-rank log files: 0-3
     for every local rank, or a dict local rank -> 0-3; see ``rank_log_files``); ``secret`` (the
     job's, the same on every node; None: a job across nodes is open to its network, see
-    [Note: only the job gets in] in :mod:`dptrain.launcher.auth`; never shown in the repr).
+    [Note: only the job gets in] in :mod:`dptrain.launcher.auth`; never shown in the repr);
+    ``recovery`` (``"restart"``: a failure stops every rank and restarts the whole job;
+    ``"in-place"``: only the failed rank is replaced, see :mod:`dptrain.launcher.inplace`) and
+    ``spares`` (with in-place recovery: processes kept ready to replace a rank, see
+    :mod:`dptrain.launcher.spare`).
     """
 
     program: str
@@ -79,6 +85,8 @@ class LaunchConfig:
     redirects: int | dict = 0
     tee: int | dict = 0
     secret: bytes | None = dataclasses.field(default=None, repr=False)
+    recovery: str = "restart"
+    spares: int = 0
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -105,6 +113,17 @@ class LaunchConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"--timeout must be a positive number of seconds, got {self.timeout}")
+        if self.recovery not in ("restart", "in-place"):
+            raise ValueError(f"--recovery {self.recovery!r}: choose restart (restart every rank) or in-place (replace "
+                             f"the failed rank only), e.g. --recovery in-place")
+        if self.recovery == "in-place" and self.max_restarts == 0:
+            raise ValueError("--recovery in-place replaces a failed rank at most --max-restarts times, and that is 0; "
+                             "add e.g. --max-restarts 3")
+        if self.spares < 0:
+            raise ValueError(f"--spares must be >= 0, got {self.spares}")
+        if self.spares and self.recovery != "in-place":
+            raise ValueError(f"--spares {self.spares} keeps processes ready to replace a failed rank, which only "
+                             f"in-place recovery does; add --recovery in-place")
         if not self.module and not os.path.isfile(self.program):
             raise ValueError(f"script {self.program!r} not found; give the path of a Python file (or -m module)")
         if self.log_ranks is not None:
@@ -218,6 +237,7 @@ class _Job:
         self.janitor.tell("dir", self.error_dir)
         self.ranks: list[RankProcess] = []
         self.watching: Watch | None = None  # the ranks of the current attempt
+        self.recovery: InPlaceRecovery | None = None  # --recovery in-place
         self.server = None
         self.gate: Gate | None = None  # node 0 of a job with a secret: the way in from the network
         self.forwarder: Forwarder | None = None  # another node of such a job: its ranks' way to node 0
@@ -249,6 +269,9 @@ class _Job:
             self.log(f"dptrain run: rank logs go to {os.path.join(self.log_dir, self.run_id)}")
         self.stall_s = _settings.get("DPTRAIN_STALL_REPORT_S")
         self.base_env = base_environ(config, self.host, self.log)
+        if config.recovery == "in-place":
+            self.recovery = InPlaceRecovery(self)
+        rank_settings(self.base_env, self.recovery.directory if self.recovery else None)
         self.cmd = [sys.executable, "-u"] + (["-m", config.program] if config.module else [config.program])
         self.cmd += list(config.args)
 
@@ -349,12 +372,25 @@ class _Job:
             self.janitor.tell("group", proc.proc.pid)
         self._open_store()
         publish(self.store, f"{keys_prefix(attempt)}/{EXITS_PUBLISHED}", "1")
+        if self.recovery is not None:
+            self.recovery.started(self.base_env)
 
     def watch(self, attempt: int) -> tuple[RankProcess | None, str | None]:
         """Watch the ranks of ``attempt`` until they are done, one fails, or a signal arrives (see ``Watch.run``)."""
         self.watching = Watch(self.store, attempt, self.ranks, self.signals, self.log, self.stall_s, self.config.nnodes,
                               self.warnings)
+        if self.recovery is not None:
+            return self.recovery.watch(self.watching, attempt)
         return self.watching.run()
+
+    def restarts_spent(self, attempt: int) -> int:
+        """Restarts spent so far: the attempt number, and with in-place recovery every replacement too."""
+        if self.recovery is None:
+            return attempt
+        try:
+            return self.recovery.restarts_spent(attempt)
+        except (RuntimeError, OSError):  # the store is gone: count what this launcher knows
+            return attempt
 
     def stop_all(self) -> None:
         """Stop every rank (a second signal cuts the grace period short) and show their last output."""
@@ -369,8 +405,8 @@ class _Job:
         config = self.config
         if failed is not None:
             code = failed.poll()
-            what = (f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
-                    f"{describe_exit(code)}")
+            how = (self.recovery.ended.get(failed.proc.pid) if self.recovery else None) or describe_exit(code)
+            what = f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) {how}"
             publish(self.store, failed_key(attempt), failure_text(config.node_rank, what))
             earlier = sorted(rank for rank, (c, _) in self.watching.exits.items() if c == 0)
             if earlier:
@@ -394,6 +430,8 @@ class _Job:
 
         if self.ranks:
             stop_processes(self.ranks, grace_s=0.5)
+        if self.recovery is not None:
+            self.recovery.close()
         if self.elastic is not None and self.elastic.coordinator:
             self.elastic.finish()  # nodes still waiting to be admitted end too
         self.janitor.done()
@@ -452,8 +490,11 @@ def _run_attempts(job: _Job) -> int:
         code = job.report_failure(attempt, failed, peer)
         if signals.received:
             return code
-        if attempt < config.max_restarts:
-            job.log(f"dptrain run: restarting all ranks (restart {attempt + 1} of {config.max_restarts})")
+        spent = job.restarts_spent(attempt)
+        if spent < config.max_restarts:
+            if job.recovery is not None:
+                job.recovery.say_why_not()
+            job.log(f"dptrain run: restarting all ranks (restart {spent + 1} of {config.max_restarts})")
             attempt += 1
             continue
         if config.max_restarts:

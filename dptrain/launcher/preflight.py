@@ -45,7 +45,9 @@ SPARE_FILES = 32
 #: Variables ``dptrain run`` sets for every rank itself (see ``job.base_environ``, ``workers.process_environ``),
 #: by the flag that sets it (None: always).
 SET_BY_FLAGS = {"DPTRAIN_TIMEOUT": "timeout", "DPTRAIN_DEBUG": "debug", "DPTRAIN_PROFILE": "profile",
-                "DPTRAIN_PROGRESS": None}
+                "DPTRAIN_PROGRESS": None,
+                # --recovery: set for in-place recovery, removed otherwise (see inplace.rank_settings)
+                "DPTRAIN_RECOVERY": None, "DPTRAIN_RECOVERY_DIR": None, "DPTRAIN_GENERATION": None}
 
 
 def preflight(config: Any) -> None:

@@ -20,13 +20,14 @@ This module imports only the standard library: the store server uses ``clean`` t
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import unicodedata
 from typing import Any, Callable, TypeVar
 
 __all__ = ["Malformed", "Warnings", "clean", "read", "heartbeat", "left_note", "arrival", "members",
-           "attempt_number", "failure_text", "failure_report"]
+           "attempt_number", "failure_text", "failure_report", "fallback_note"]
 
 T = TypeVar("T")
 
@@ -136,19 +137,31 @@ def _short(value: Any, limit: int = 60) -> str:
 def heartbeat(raw: bytes) -> dict:
     """A rank's heartbeat (``hb/<rank>``, see [Note: heartbeats] in ``dptrain._heartbeat``):
     collectives entered (``seq``), the one it is in (``op``, "" outside any), the Trainer's
-    steps (``ticks``) and DDP's synced steps (``ddp_steps``, 0 if absent)."""
+    steps (``ticks``), DDP's synced steps (``ddp_steps``, 0 if absent), the process that wrote
+    it (``pid``, None if absent: a heartbeat left by a rank that was since replaced is not its
+    replacement's), whether a collective of its own failed (``failed``, False if absent) and when
+    it was written (``t``, the rank's clock; None if absent)."""
     obj = _json_object(raw)
+    pid = obj.get("pid")
     return {"seq": _whole(obj, "seq"), "ticks": _whole(obj, "ticks"), "ddp_steps": _whole(obj, "ddp_steps", default=0),
-            "op": clean(_text(obj, "op", 500), 200)}
+            "op": clean(_text(obj, "op", 500), 200), "pid": pid if type(pid) is int and pid > 0 else None,
+            "failed": obj.get("failed") is True, "t": _time(obj)}
 
 
 def left_note(raw: bytes) -> dict:
-    """What a rank wrote as it left (``left/<rank>``): its DDP steps, whether a collective of its own had failed."""
+    """What a rank wrote as it left (``left/<rank>``): its DDP steps, whether a collective of its own had
+    failed, and when (``t``, the rank's clock; None if absent)."""
     obj = _json_object(raw)
     failed = obj.get("after_failure", False)
     if not isinstance(failed, bool):
         raise Malformed(f"'after_failure' is {_short(json.dumps(failed))}, not true or false")
-    return {"ddp_steps": _whole(obj, "ddp_steps", default=0), "after_failure": failed}
+    return {"ddp_steps": _whole(obj, "ddp_steps", default=0), "after_failure": failed, "t": _time(obj)}
+
+
+def _time(obj: dict) -> float | None:
+    """An optional ``t`` (seconds since the epoch) of a rank's value; None when absent or not a number."""
+    t = obj.get("t")
+    return float(t) if type(t) in (int, float) and math.isfinite(t) else None
 
 
 def _arrival_fields(obj: Any) -> dict:
@@ -206,6 +219,17 @@ def failure_report(raw: bytes) -> str:
     return text
 
 
+def fallback_note(raw: bytes) -> str:
+    """Why a rank cannot recover in place (``recovery/fallback``, see ``inplace``): text the
+    launcher shows, on one line without control characters, at most 500 characters."""
+    if len(raw) > MAX_RAW:
+        raise Malformed(f"{len(raw)} bytes, more than the {MAX_RAW} any such value has")
+    text = clean(raw, 500).strip()
+    if not text:
+        raise Malformed(f"no text: {_short(raw)}")
+    return text
+
+
 _KINDS = {heartbeat: "heartbeat", left_note: "note of a rank that left", arrival: "elastic arrival",
           members: "list of an attempt's nodes", attempt_number: "attempt number",
-          failure_report: "failure report"}
+          failure_report: "failure report", fallback_note: "in-place recovery fallback note"}

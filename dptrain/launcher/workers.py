@@ -149,14 +149,21 @@ def _for_rank(spec, local_rank: int) -> int:
 
 
 class RankProcess:
-    """One rank as a child process, its output relayed live under a ``[rankN]`` prefix."""
+    """One rank as a child process, its output relayed live under a ``[rankN]`` prefix.
+
+    ``proc``: a process already started (a hot spare given this rank, see ``spare``) instead
+    of starting ``cmd``; ``cmd``, ``environ``, ``show`` and ``logs`` are kept, so that a
+    replacement can be started the same way (see ``inplace``).
+    """
 
     def __init__(self, rank: int, local_rank: int, cmd: list[str], environ: dict[str, str], show: bool,
-                 console: Console, logs: Sequence = ((None, True), (None, True))) -> None:
+                 console: Console, logs: Sequence = ((None, True), (None, True)),
+                 proc: subprocess.Popen | None = None) -> None:
         self.rank = rank
         self.local_rank = local_rank
+        self.cmd, self.environ, self.show, self.logs = cmd, environ, show, logs
         self.tail: deque[str] = deque(maxlen=30)  # last stderr lines, for the failure report
-        self.proc = subprocess.Popen(
+        self.proc = proc if proc is not None else subprocess.Popen(
             cmd,
             env=environ,
             stdout=subprocess.PIPE,

@@ -146,7 +146,12 @@ class TrainState:
 
     def rank_state_dict(self) -> dict[str, Any]:
         """What differs between ranks: RNG streams and the running loss of the epoch."""
-        return {"rng": get_rng_state(), "loss_sum": self.loss_sum.detach().cpu(), "sample_count": self.sample_count}
+        return {"rng": self.rng_state(), "loss_sum": self.loss_sum.detach().cpu(), "sample_count": self.sample_count}
+
+    def rng_state(self) -> dict[str, Any]:
+        """This rank's RNG streams as the run stands: a resumed state not yet applied (it is applied
+        where the epoch's iterator is made, see :meth:`begin_epoch`) is the one that counts."""
+        return self._pending_rng if self._pending_rng is not None else get_rng_state()
 
     def load_rank_states(self, per_rank: list[dict[str, Any]], rank: int, world_size: int) -> None:
         """Restore this rank's part of every rank's saved state.

@@ -36,6 +36,7 @@ from dptrain.train.config import TrainerConfig
 from dptrain.train.log import TrainerLog, format_metrics
 from dptrain.train.preemption import Preempted, PreemptionWatcher, in_slurm_job, requeue_job
 from dptrain.train.profile import StepProfiler
+from dptrain.train.recovery import InPlaceRecovery, is_replacement
 from dptrain.train.report import install_excepthook
 from dptrain.train.sharding import check_equal_batches, check_optimizer_params, shard_train_loader
 from dptrain.train.state import TrainState, reads_state
@@ -60,6 +61,12 @@ def _join_if_launched() -> World:
                 f"model, the loaders or DDP"
             )
     return get_world()
+
+
+def _joining_job():
+    from dptrain.parallel.ddp import joining_job
+
+    return joining_job()
 
 
 def _training_device(model: nn.Module) -> torch.device:
@@ -175,7 +182,9 @@ class Trainer:
         self.dev_loader = self._loader(dev_data, "eval") if dev_data is not None else None
         self.test_loader = self._loader(test_data, "eval") if test_data is not None else None
 
-        self.model, self.optimizer = self.strategy.prepare(model.to(self.device), optimizer, self.world.world_size)
+        joining = is_replacement()  # this process replaces a rank that died: see [Note: in-place recovery]
+        with _joining_job() if joining else contextlib.nullcontext():
+            self.model, self.optimizer = self.strategy.prepare(model.to(self.device), optimizer, self.world.world_size)
         self.scheduler = build_scheduler(scheduler, self.optimizer, given=optimizer)
         self._setup_amp()
 
@@ -202,6 +211,10 @@ class Trainer:
             checkpointer=self.checkpointer, config=cfg, world=self.world,
         )  # fmt: skip
 
+        self._recovery = InPlaceRecovery(self)
+        if joining and self._recovery.active:
+            self._recovery.join()  # the state comes from a live rank, not from a checkpoint
+            return
         self.checkpointer.prepare()
         candidates = self.checkpointer.resume_candidates(resume, self.world.restart_count)
         if candidates:
@@ -351,9 +364,21 @@ class Trainer:
                     f"resumed from {self.resumed_from} (epoch {self.epoch + 1}, batch {self.batch_in_epoch}, "
                     f"step {self.global_step})"
                 )
+            self._recovery.announce()
+            if self._recovery.pending_save:  # a replacement joined where a checkpoint was being written
+                with self._recovery.saving():
+                    self.save_checkpoint()
             self._call("on_fit_start")
             while self.epoch < max_epochs and self.stop_reason is None:
-                self._run_epoch(max_epochs)
+                try:
+                    self._run_epoch(max_epochs)
+                except Exception as exc:
+                    if not self._recovery.can_recover(exc):
+                        raise
+                    self._recovery.recover(exc)  # the survivors go on from the last commit
+                    if self._recovery.pending_save:
+                        with self._recovery.saving():
+                            self.save_checkpoint()
             if self.stop_reason is not None:
                 self.log.line(self.stop_reason)
             if self._profiler is not None and self._profiler.steps:
@@ -445,6 +470,8 @@ class Trainer:
             with contextlib.nullcontext() if sync else self.strategy.no_sync(self.model):
                 with self._autocast():
                     loss = self.loss_fn(forward(self.model, inputs), targets)
+                if sync and self._recovery.active:
+                    self._recovery.prepare_step(step_sums + [(loss.detach(), n)])
                 if prof is not None:
                     prof.lap("forward")
                 scaled = loss / accum if accum > 1 else loss
@@ -472,7 +499,7 @@ class Trainer:
                              loss: torch.Tensor) -> None:
         """The optimizer step that closes an accumulation group, and what follows it."""
         cfg, prof = self.config, self._profiler
-        took = self._optimizer_step(b, num_batches, step_loss)
+        took = self._optimizer_step(b, num_batches, step_loss, step_sums)
         if prof is not None:
             prof.lap("optimizer")
             prof.end_step()
@@ -480,19 +507,18 @@ class Trainer:
                 prof.report()
         if not took:
             return  # a skipped step's losses stay out of the epoch's average; nothing to save
-        for value, count in step_sums:
-            self.state.record_batch(value, count)
         if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and b < num_batches:
             # A step checkpoint on the epoch's last batch is left to the end-of-epoch one,
             # which is taken after the dev evaluation (see [Note: bitwise resume]).
             self.state.batch_in_epoch = b
-            self.save_checkpoint()
+            with self._recovery.saving():
+                self.save_checkpoint()
         if self.global_step % cfg.log_every_steps == 0:
             self.log.scalars({"train/step_loss": float(loss.detach()), "train/lr": self._lr()},
                              self.global_step, self.epoch + 1)
 
-    def _optimizer_step(self, batch: int, num_batches: int, step_loss: torch.Tensor) -> bool:
-        """Clip, check, step; returns False when the step was skipped."""
+    def _optimizer_step(self, batch: int, num_batches: int, step_loss: torch.Tensor, step_sums: list) -> bool:
+        """Clip, check, step, record the step's losses; returns False when the step was skipped."""
         cfg = self.config
         norm = None
         if self.scaler is not None and (cfg.max_grad_norm is not None or cfg.nan_policy != "off"):
@@ -524,6 +550,10 @@ class Trainer:
             _heartbeat.tick()  # the launcher's stall report counts these steps
             if self.scheduler is not None and cfg.scheduler_interval == "step":
                 self.scheduler.step()
+            for value, count in step_sums:  # a skipped step's losses stay out of the epoch's average
+                self.state.record_batch(value, count)
+        # Nothing collective since the step: this is a commit (see [Note: in-place recovery]).
+        self._recovery.commit(batch, prepared=not skip)
         if info is not None:
             self._call("on_step_end", info)
         return not skip
@@ -544,6 +574,8 @@ class Trainer:
         # Loss averaged over every sample of every rank this epoch.
         totals = torch.stack([self.state.loss_sum,
                               torch.tensor(float(self.state.sample_count), dtype=torch.float64, device=self.device)])
+        if self.dev_loader is None:
+            self._recovery.prepare_epoch_end()  # the buffers are final already
         comm.all_reduce(totals, op="sum")
         record: dict[str, Any] = {
             "epoch": epoch + 1,  # counted from 1, as everywhere a user reads an epoch
@@ -553,20 +585,22 @@ class Trainer:
             "lr": self._lr(),
         }
         if self.dev_loader is not None:
-            dev = self.evaluate(self.dev_loader)
+            dev = self.evaluate(self.dev_loader, _after_sync=self._recovery.prepare_epoch_end)
             record.update({f"dev_{k}": v for k, v in dev.items()})
             self._update_best(dev, epoch + 1)
             self._call("on_evaluate", "dev", dev)
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.scheduler.step()
         self.state.finish_epoch(record)
+        self._recovery.commit(0, prepared=True)
         self._log_epoch(record, max_epochs)
         self._call("on_epoch_end", record)
         stopping = self.stop_reason is not None
         if cfg.checkpoint_dir and (
             (cfg.save_every and (self.epoch % cfg.save_every == 0 or self.epoch == max_epochs)) or stopping
         ):
-            self.save_checkpoint()
+            with self._recovery.saving():
+                self.save_checkpoint()
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -588,7 +622,7 @@ class Trainer:
         self.log.scalars(scal, self.global_step, record["epoch"])
 
     # -------------------------------------------------------------------- evaluation ----
-    def evaluate(self, data: Any = None) -> dict[str, float]:
+    def evaluate(self, data: Any = None, _after_sync: Callable[[], None] | None = None) -> dict[str, float]:
         """Evaluate on ``data`` (default: the dev data) with every sample counted exactly once.
 
         Each rank runs its shard (the eval loader partitions without padding; a rank may
@@ -605,6 +639,8 @@ class Trainer:
         if loader is None:
             raise ValueError("evaluate() needs data: pass it, or give the Trainer dev_data=...")
         self.strategy.sync_buffers(self.model)  # one model state on every rank (BatchNorm statistics)
+        if _after_sync is not None:
+            _after_sync()
         return evaluation.evaluate(
             self.strategy.eval_module(self.model), loader, device=self.device, lockstep=self.strategy.lockstep_eval,
             autocast=self._autocast, loss_fn=self.loss_fn, metric_fn=self.metric_fn, rank=self.rank,

@@ -37,6 +37,9 @@ The modules:
 - ``comm_hooks.py`` -- the public communication hooks (also ``dptrain.parallel.comm_hooks``),
   with ``_powersgd.py`` and ``_hook_pipeline.py``; ``_compression.py`` -- the ``compression=``
   argument and its ``"auto"`` choice;
+- ``_recovery.py`` -- in-place recovery: ``_recovery_layout``, ``_rejoin`` and ``joining_job``
+  (a DDP follows its job onto a re-formed process group; a replacement builds one without
+  collectives);
 - the other arguments, one module each: ``_mixed_precision.py`` (``mixed_precision``),
   ``_delayed.py`` (``delay_all_reduce_named_params``), ``_overlap.py`` (``overlap_optimizer``),
   ``_optim_in_backward.py`` (PyTorch's ``_apply_optimizer_in_backward``) and ``_join.py``
@@ -50,9 +53,9 @@ check too), ``dptrain.parallel.dp`` (scatter and gather), :mod:`dptrain.comm` an
 import sys
 
 from dptrain.parallel.ddp import _delayed, _mixed_precision, _powersgd, comm_hooks
-from dptrain.parallel.ddp.api import DDP, DDPSetupError, DistributedDataParallel
+from dptrain.parallel.ddp.api import DDP, DDPSetupError, DistributedDataParallel, joining_job
 
-__all__ = ["DistributedDataParallel", "DDP", "DDPSetupError", "comm_hooks"]
+__all__ = ["DistributedDataParallel", "DDP", "DDPSetupError", "comm_hooks", "joining_job"]
 
 # [Note: pickles from before the folder]
 # A pickled DDP names the classes and hooks it holds by module. Before DDP had this folder

@@ -88,6 +88,7 @@ def shadow_backward(reducer: Any) -> None:
     reducer.num_iterations += 1
     if reducer.observer is not None:
         reducer.observer.backward_finished(joined=True)
+    reducer._in_flight = False  # as after a backward of its own (the reducer's [Note: the learnt state])
 
 
 def _shadow_rebuild_decision(reducer: Any, last_flat: torch.Tensor) -> None:

@@ -174,6 +174,10 @@ class Reducer:
         self.num_iterations = 0  # synced backward passes so far
         self._rebuild = BucketRebuild(len(self.params), never=self.find_unused_parameters)
         self._init_backward_state()
+        # See [Note: the learnt state]: what it was when the latest synced backward was armed,
+        # and whether that backward has not completed here (in flight, failed or never run).
+        self._armed_state: tuple | None = None
+        self._in_flight = False
 
         # See [Note: which backward is ours]: the sink's input that tells a training backward.
         self.anchor, self.anchor_node = new_anchor(self.params[0].device)
@@ -223,6 +227,40 @@ class Reducer:
     def __del__(self) -> None:
         for h in getattr(self, "_handles", ()):
             h.remove()
+
+    def close(self) -> None:
+        """Retire this reducer: its gradient hooks go, a backward in flight is forgotten.
+
+        For DistributedDataParallel._rejoin, after the process group was re-formed: the
+        collectives in flight belong to the destroyed group and are never waited for; a
+        backward that still reaches these parameters only accumulates into ``.grad``.
+        """
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.phase = BackwardPhase.IDLE
+        self._plain_backward = False
+        self._works = [None] * len(self.buckets)
+        self._div_work = None
+        self._status_event = None
+        self.observer = None
+        self.on_bucket_reduced = None
+
+    # ------------------------------------------------------------------ recovery
+    # [Note: the learnt state]
+    # Across backwards the reducer learns: the bucket layout (rebuilt once in gradient-ready
+    # order, or re-limited by compression="auto"), whether that rebuild is behind it or which
+    # order it agreed on, the number of synced backwards, and with a static graph the hook
+    # counts and the unused set of its first backward. A reducer built from scratch with this
+    # state reduces exactly like the original from the next forward on (read and adopted by
+    # _recovery.py for DistributedDataParallel._recovery_layout / _rejoin). A synced backward
+    # changes it only in its last steps (_finalize_backward), which may fail half-way when a
+    # peer dies; so the state as it was when that backward was armed is kept (a tuple of
+    # references: the fields are replaced, never changed in place), and stands for this rank
+    # until the backward completes.
+    def _learnt(self) -> tuple:
+        return (self.buckets, self.bucket_limits, self._new_limits, self._rebuild.done, self._rebuild.agreed,
+                self.num_iterations, self._static_counts, self._global_unused if self.static_graph else None)
 
     def _init_buckets(self, assignment: list[list[int]]) -> None:
         """Allocate the buckets of ``assignment``; with bucket views, move existing grads into them."""
@@ -320,6 +358,7 @@ class Reducer:
 
     def prepare_for_backward(self, outputs: Any = None) -> None:
         """Arm the hooks for the next backward; with find_unused, find unreachable parameters."""
+        self._armed_state, self._in_flight = self._learnt(), True  # see [Note: the learnt state]
         self.phase = BackwardPhase.ARMED
         self._pending = list(self._bucket_count)
         self._ready = bytearray(len(self.params))
@@ -612,6 +651,7 @@ class Reducer:
             self._rebuild.decide(self._rebuild_votes(self.buckets[-1].flat))
         if self.observer is not None:
             self.observer.backward_finished(joined=False)
+        self._in_flight = False  # the learnt state is this backward's now (see [Note: the learnt state])
         _heartbeat.note_ddp_step(self.num_iterations)  # stall reports count a plain loop's steps
 
     def _complete_missing(self) -> bool:

@@ -28,6 +28,13 @@ every rank must train it. Unlike PyTorch, a registered communication hook is reg
 the copy too. Without an initialized process group the loaded module is a plain wrapper in a
 single process; under a launcher that says the world is larger, loading it raises until
 ``dptrain.init()`` has run (as PyTorch's DDP does).
+
+[Note: in-place recovery]
+After a rank died and the process group was re-formed, ``ddp._rejoin(layout)`` on every rank
+moves a DDP onto the new default group, and a replacement process builds its DDP inside
+:func:`joining_job` (no collective at construction); ``ddp._recovery_layout()`` on a healthy
+rank is what they all adopt. The whole protocol is in ``_recovery.py``
+([Note: rejoining a re-formed group]).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from dptrain import _shm
 from dptrain._tensors import move_to_device
 from dptrain.parallel import dp as _dp
+from dptrain.parallel.ddp import _recovery
 from dptrain.parallel.ddp import _setup as setup
 from dptrain.parallel.ddp._compression import AutoCompression, check_compression, check_extensions, default_bucket_mb
 from dptrain.parallel.ddp._compression import install as install_compression
@@ -53,12 +61,13 @@ from dptrain.parallel.ddp._join import DDPJoinHook, all_reduce_requires_sync, fi
 from dptrain.parallel.ddp._mixed_precision import MixedPrecisionState, _UpcastHookState, allreduce_and_upcast_hook
 from dptrain.parallel.ddp._optim_in_backward import adopt_optimizers_in_backward
 from dptrain.parallel.ddp._overlap import OptimizerOverlap
+from dptrain.parallel.ddp._recovery import joining_job
 from dptrain.parallel.ddp._reducer import Reducer, bucket_size_limits
 from dptrain.parallel.ddp._setup import DDPSetupError
 from dptrain.parallel.ddp._signature import bind_arguments, check_bucket_cap_mb, installed_signature, torch_ddp, torch_has
 from dptrain.parallel.ddp._sink import attach_sink
 
-__all__ = ["DistributedDataParallel", "DDP", "DDPSetupError"]
+__all__ = ["DistributedDataParallel", "DDP", "DDPSetupError", "joining_job"]
 
 _TorchDDP = torch_ddp()  # torch's class, also where its names were rebound to ours
 
@@ -220,6 +229,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         self.process_group = setup.resolve_group(process_group, device_mesh)
         self.device_mesh = device_mesh
+        # Whether it reduces over the default group, the one that _rejoin can follow when the
+        # process group is re-formed (the group object itself dies with the old one).
+        self._world_group = device_mesh is None and self.process_group is not None and (
+            process_group is None or process_group is dist.group.WORLD)
         self._distributed = self.process_group is not None
         self.module = module
         self.dim = dim
@@ -268,7 +281,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._set_static_graph()
 
     def _set_up_ranks(self, delayed: list, hook_param: Any, init_sync: bool, sync_buffers: bool, static: bool) -> None:
-        """The collectives of construction (in PyTorch's order), then the reducer."""
+        """The collectives of construction (in PyTorch's order), then the reducer.
+
+        Inside :func:`joining_job` none of them: a replacement's peers are not constructing
+        (see [Note: in-place recovery]); it reduces through gloo/NCCL until ``_rejoin``.
+        """
+        if _recovery.is_joining():
+            if delayed:
+                self._delayed = DelayedAllReduce(delayed, hook_param, self.process_group)
+            self._build_reducer()
+            return
         if delayed:
             self._delayed = DelayedAllReduce(delayed, hook_param, self.process_group)
             setup.broadcast_coalesced([p.detach() for _, p in delayed], 0, self.process_group,
@@ -527,6 +549,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__setstate__(state)
         self.process_group = setup.resolve_group(None, None)  # refuses a forgotten init under a launcher
         self._distributed = self.process_group is not None
+        self._world_group = self._distributed
         self._rank = dist.get_rank(self.process_group) if self._distributed else 0
         self.reducer = None
         self._lazy_init_ran = False  # the copy's reducer adopts the copy's optimizers in backward
@@ -540,6 +563,67 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._delayed.attach(self.process_group)
         if comm_hook is not None and self.reducer is not None:
             self.register_comm_hook(comm_hook[1], comm_hook[0])
+
+    # ------------------------------------------------------------------ in-place recovery
+    def _recovery_layout(self, undo_completed_backward: bool = False) -> dict:
+        """What a DDP of the same model on another process needs to reduce exactly like this one.
+
+        Plain, picklable data (send it with ``broadcast_object_list``): the bucket layout, the
+        one-time bucket rebuild's progress (done, or the order agreed on), the number of synced
+        backwards, a static graph's learnt hook counts and unused set, the bucket limits, and
+        the decision of ``compression="auto"``. No collective; one rank may call it alone.
+
+        A synced backward that did not complete on this rank (a peer died during it) does not
+        count: the layout is the one that backward started with, as the step will be redone.
+        A backward that completed counts, unless ``undo_completed_backward`` is True: pass it
+        when the step that will be redone had its backward complete here (it failed later,
+        e.g. in a metric's all-reduce), so that the redone backward starts from the same
+        layout as the first time. Take the layout from the rank whose training state the
+        others restore (rank 0 when it is as far as any), at the same step.
+
+        Raises:
+            NotImplementedError: this DDP cannot be recovered in place (see
+                :meth:`_recovery_obstacle`); the message names why.
+        """
+        return _recovery.layout_of(self, undo_completed_backward)
+
+    def _recovery_obstacle(self) -> str | None:
+        """Why this DDP cannot be recovered in place (``overlap_optimizer``, PowerSGD, a
+        ``compression="auto"`` still measuring, a group other than the default one, ...), or None."""
+        return _recovery.obstacle(self, describing=True)
+
+    def _rejoin(self, layout: dict | None = None, *, verify: bool = True) -> None:
+        """Move onto the re-formed default process group; collective: every rank calls it.
+
+        Call after the old default group was destroyed and a new one created with the same
+        rank numbers, on every rank with the same ``layout`` (from :meth:`_recovery_layout` on
+        a healthy rank), before the next forward. A survivor's backward in flight is dropped:
+        the old reducer's hooks are removed, its collectives abandoned (a shared-memory group
+        is aborted, not waited for, so a dead or absent peer cannot hold it). Then the DDP
+        reduces over the new ``dist.group.WORLD``; the ranks check that they built the same
+        model (``verify``) and decide on shared memory again (when this DDP may use it), as at
+        construction; a new reducer is built and adopts ``layout`` -- without one every rank
+        starts afresh, as a new DDP would (the bucket rebuild, a static graph's first
+        iteration and ``compression="auto"``'s measurement happen again). A registered
+        communication hook is kept (a process group as its state becomes the new one), as is
+        the state of ``mixed_precision`` (parameters back in full precision) and of
+        ``delay_all_reduce_named_params``. Every parameter's ``.grad`` is set to None.
+
+        Parameters, buffers and optimizer state are not sent: restoring them is the caller's
+        business (before or after this call).
+
+        Args:
+            layout: from :meth:`_recovery_layout` on a healthy rank; the same on every rank.
+            verify: check that every rank built the same model (one all-gather). Default True.
+
+        Raises:
+            NotImplementedError: this DDP cannot be recovered in place; raised before anything
+                is changed, on every rank alike, so the caller can fall back to a restart.
+            ValueError: ``layout`` comes from a DDP of another model or settings (also raised
+                before anything is changed).
+            RuntimeError: no process group is initialized.
+        """
+        _recovery.rejoin(self, layout, verify)
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager

@@ -1,0 +1,172 @@
+"""In-place recovery's process groups: leave a broken one, form the next generation's.
+
+[Note: generations]
+Under ``dptrain run --recovery in-place`` a rank that dies does not end the job. Its node's
+launcher announces the recovery as generation ``g`` (the key ``recovery/generation/<g>``
+among dptrain's keys of the attempt, ``g`` = 1, 2, ...; its value says which rank died and
+why) and then starts a replacement for that rank. Every member of the job -- each survivor
+from the collective that failed, the replacement from ``dptrain.init()`` -- then forms
+generation ``g``'s process group on the same store, under a prefix of its own (``pg/gen<g>``),
+so that no key of a broken group is ever read again; the broken group is destroyed first
+(gloo's and the shared-memory groups' connections to a dead peer fail at once, they do not
+hang).
+
+Before creating the group, the members count themselves in (``recovery/g<g>/arrived``):
+``init_process_group`` would wait the whole collective timeout for a member that will never
+come, whereas the count notices a newer generation -- a second rank died meanwhile -- and
+moves every member on to that one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import time
+from typing import Any, Iterator
+
+import torch.distributed as dist
+
+from dptrain import _heartbeat
+
+__all__ = ["generation_key", "newest_generation", "wait_for_generation", "form", "announcement", "prefixed",
+           "recording_connections", "cut_connections"]
+
+_POLL_S = 0.01  # a store check is ~0.1 ms: polling this often costs nothing and keeps recovery prompt
+
+
+# [Note: cutting a broken group's connections]
+# gloo closes a group's connections only when its last reference goes, and a collective still
+# running on one of its worker threads holds one. A survivor that leaves a broken group while a
+# live peer waits for it in another collective -- a ring all-reduce that completed on the peer
+# and failed here -- would leave that peer waiting for the whole collective timeout, and itself
+# wait for the peer at the next generation's rendezvous. So the sockets the group opened are
+# noted when it is created (the process's socket descriptors before and after), and shut down
+# (not closed: gloo still owns the descriptors; its listening socket is left alone) before the
+# group is destroyed; both sides' collectives then fail at once. A descriptor is shut down only while it still refers to the
+# very socket noted (its inode), so a number reused since is never touched. Linux only (/proc).
+_group_sockets: dict[int, str] = {}
+
+
+def _sockets() -> dict[int, str]:
+    found: dict[int, str] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            found[int(name)] = link
+    return found
+
+
+@contextlib.contextmanager
+def recording_connections() -> Iterator[None]:
+    """Note the sockets a process group opens while the block runs (see the note above)."""
+    before = _sockets()
+    yield
+    _group_sockets.clear()
+    _group_sockets.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
+
+
+def cut_connections() -> int:
+    """Shut down the sockets of the group noted last; returns how many were shut down."""
+    cut = 0
+    for fd, link in list(_group_sockets.items()):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != link:
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            # gloo's listener stays: its accepting thread would abort the process on a shut-down socket.
+            if sock.type == socket.SOCK_STREAM and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()  # the duplicate only
+    _group_sockets.clear()
+    return cut
+
+
+def prefixed(base: Any, attempt: int, part: str) -> Any:
+    """``base`` seen under launch attempt ``attempt``'s ``part`` (see _heartbeat's [Note: the store's key layout])."""
+    return dist.PrefixStore(part, dist.PrefixStore(_heartbeat.attempt_prefix(attempt), base))
+
+
+def generation_key(generation: int) -> str:
+    return f"recovery/generation/{generation}"
+
+
+def newest_generation(keys: Any, after: int) -> int:
+    """The newest generation the launcher has announced, ``after`` when none is newer."""
+    g = after
+    while keys.check([generation_key(g + 1)]):
+        g += 1
+    return g
+
+
+def announcement(keys: Any, generation: int) -> dict:
+    """What the launcher said about ``generation`` (which rank died, why); {} when unreadable."""
+    try:
+        value = json.loads(keys.get(generation_key(generation)).decode("utf-8", "replace"))
+    except (ValueError, RuntimeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def wait_for_generation(keys: Any, after: int, timeout_s: float) -> int:
+    """Block until a generation after ``after`` is announced; return the newest one.
+
+    Raises:
+        TimeoutError: none within ``timeout_s`` (no launcher doing in-place recovery, or the
+            failure was not a rank's death).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        g = newest_generation(keys, after)
+        if g > after:
+            return g
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no in-place recovery was announced within {timeout_s:.0f}s")
+        time.sleep(_POLL_S)
+
+
+def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timedelta, generation: int) -> int:
+    """Create the process group of ``generation`` (or of a newer one announced meanwhile); return it.
+
+    Every member of the job calls this with the same ``world`` numbers. See [Note: generations].
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    g = newest_generation(keys, generation - 1)
+    while True:
+        arrived = f"recovery/g{g}/arrived"
+        count = int(keys.add(arrived, 1))
+        newer = False
+        while count < world.world_size:
+            if keys.check([generation_key(g + 1)]):
+                newer = True
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank {world.rank}: only {count} of {world.world_size} ranks arrived for in-place recovery "
+                    f"(generation {g}) within {timeout.total_seconds():.0f}s"
+                )
+            time.sleep(_POLL_S)
+            count = int(keys.add(arrived, 0))
+        if newer:
+            g = newest_generation(keys, g)
+            continue
+        store = prefixed(base, world.launch_attempt, f"{_heartbeat.PROCESS_GROUP_PART}/gen{g}")
+        with recording_connections():
+            dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.world_size, timeout=timeout)
+        return g

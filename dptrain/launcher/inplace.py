@@ -1,0 +1,332 @@
+"""In-place recovery, the launcher's side (``dptrain run --recovery in-place``): a rank that
+fails is replaced by a new process, and the other ranks keep running.
+
+[Note: in-place recovery, the launcher's side]
+The ranks and their launchers talk through the job's store, under ``keys_prefix(attempt)``
+(see ``dptrain._heartbeat``), in ``recovery/``:
+
+* ``capable/<rank>`` = "1", written by a rank that can recover in place (the Trainer, as fit
+  starts). A failure is recovered in place only when every rank of the job wrote it;
+* ``fallback`` = why not, written by a rank that cannot go on in place (it then exits with
+  code 75);
+* ``count``, a counter: the launcher whose rank failed takes the next generation number
+  from it (1, 2, ...; across nodes too);
+* ``generation/<g>`` = ``{"rank", "why", "pid", "time", "spare"}``: written by that launcher
+  before it starts the replacement; the other ranks wait for it, then re-form the process
+  group with the replacement (``dptrain.train.recovery``).
+
+When a rank of this node exits with a code other than 0 (or is killed), restarts remain,
+every rank said it is capable and none wrote ``fallback``, the launcher stops what is left of
+that rank (its DataLoader workers), takes a generation number, writes the generation, and
+starts the replacement with the rank's own environment (``RANK``, ``LOCAL_RANK``,
+``TORCHELASTIC_RESTART_COUNT``: unchanged) and ``DPTRAIN_GENERATION=g``, its output under the
+same ``[rankN]`` prefix -- a hot spare when there is one (``spare``). Otherwise the failure
+goes the usual way (every rank stopped, the whole job restarted if restarts remain), and the
+reason in-place recovery did not apply is said once.
+
+``--max-restarts K`` counts both: the restarts spent so far are the whole-job restarts (the
+attempt number) plus every generation of every attempt, read from the store, so that each
+node counts the same.
+
+[Note: when a rank counts as stalled]
+A rank that stalls is ended and replaced like one that died: its heartbeat (see [Note:
+heartbeats] in ``dptrain._heartbeat``) stands still outside any collective for longer than
+the collective timeout (``--timeout``, ``DPTRAIN_TIMEOUT``), and another rank has waited in
+one collective (the same ``op`` and ``seq``) all that time -- so long that its wait has timed
+out or is about to -- or says that a collective of its own failed (``failed``: it waits for
+the recovery). A rank that is merely slow to reach a collective the others have just entered
+(a replacement still receiving its state, a rank writing a checkpoint) is left alone, and so
+is one that is leaving the job (it wrote ``left/<rank>`` after its first heartbeat: a slow
+shutdown is not a stall). A waiter counts only while its heartbeat is alive (its ``t`` changed
+within ``FRESH_BEATS`` intervals): the last heartbeat of a rank that exited, or stopped its
+heartbeat, may say it waits in a collective forever.
+
+The others' heartbeats are read only while a rank of this node stands still (from
+``WATCH_AFTER_BEATS`` heartbeat intervals on, at most half the timeout), so a healthy job
+costs one more store read per rank of this node a second. A wait is timed from when the
+launcher first saw it, at most that head start into the rank's stillness; the wait asked
+for is therefore the timeout less the head start. Only a heartbeat this very process wrote
+counts (its ``pid``): a replacement is never judged by the last heartbeat of the rank it
+replaced, and every rank gets a whole timeout afresh after each recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from typing import Any
+
+from dptrain import _settings
+from dptrain._heartbeat import describe_exit, keys_prefix, where
+from dptrain._join import ranks_text
+from dptrain.launcher import store_values
+from dptrain.launcher.spare import Spares
+from dptrain.launcher.watch import Watch, heartbeat
+from dptrain.launcher.workers import RankProcess, error_file, finish_output, read_error_file
+
+__all__ = ["InPlaceRecovery", "rank_settings", "recovery_key", "FALLBACK_EXIT"]
+
+#: Exit code of a rank that cannot recover in place (after it wrote ``recovery/fallback``).
+FALLBACK_EXIT = 75
+#: Heartbeat intervals a rank of this node stands still before the others' waits are watched
+#: (see [Note: when a rank counts as stalled]); at most half the collective timeout.
+WATCH_AFTER_BEATS = 3
+#: Heartbeat intervals within which a waiter's heartbeat must have been written anew to count.
+FRESH_BEATS = 3
+#: The settings ``dptrain run`` gives its ranks for in-place recovery (and removes otherwise).
+RANK_SETTINGS = ("DPTRAIN_RECOVERY", "DPTRAIN_RECOVERY_DIR", "DPTRAIN_GENERATION")
+
+
+def recovery_key(attempt: int, name: str) -> str:
+    """``<keys_prefix(attempt)>/recovery/<name>``: see [Note: in-place recovery, the launcher's side]."""
+    return f"{keys_prefix(attempt)}/recovery/{name}"
+
+
+def rank_settings(environ: dict[str, str], directory: str | None) -> None:
+    """Set in ``environ`` what a rank reads of in-place recovery: with ``directory`` (the job's
+    recovery folder) that it is on; without, nothing: a value inherited from the launcher's own
+    environment must not make ranks wait for a replacement no launcher starts."""
+    for name in RANK_SETTINGS:
+        environ.pop(name, None)
+    if directory is not None:
+        environ.update(DPTRAIN_RECOVERY="in-place", DPTRAIN_RECOVERY_DIR=directory, DPTRAIN_GENERATION="0")
+
+
+def _make_directory() -> str:
+    """The job's recovery folder: private (0700, as ``mkdtemp`` makes it), in memory where /dev/shm is."""
+    shm = "/dev/shm"
+    where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+    return tempfile.mkdtemp(prefix="dptrain_recovery_", dir=where)
+
+
+class InPlaceRecovery:
+    """In-place recovery for one launcher (``job``: its ``_Job``; see [Note: in-place recovery,
+    the launcher's side]).
+
+    Owns the job's recovery folder and the hot spares. ``watch`` replaces the ranks of this
+    node that fail while it can; what it cannot recover it returns, as ``Watch.run`` does.
+    """
+
+    def __init__(self, job: Any) -> None:
+        config = job.config
+        self.job = job
+        self.directory = _make_directory()
+        job.janitor.tell("dir", self.directory)
+        self.timeout_s: float = config.timeout or _settings.get("DPTRAIN_TIMEOUT")
+        self.spares: Spares | None = None
+        self.why_not: tuple[str, str] | None = None  # (kind, message): why the last failure went the usual way
+        self._said: set[str] = set()  # kinds of fallback already explained
+        self._counts: dict[int, int] = {}  # generations of attempts that ended
+        self._since: dict[int, tuple[tuple, float]] = {}  # rank -> (its heartbeat's state, since when)
+        self._waits: dict[int, tuple[tuple, float]] = {}  # another rank -> (the collective it waits in, seen since)
+        self._beating: dict[int, tuple[float, float]] = {}  # another rank -> (its heartbeat's t, seen changing when)
+        self._first_t: dict[int, float] = {}  # pid of a rank of this node -> the t of its first heartbeat seen
+        beat_s = _settings.get("DPTRAIN_HEARTBEAT_S")
+        # How long a rank of this node stands still before the others' waits are watched.
+        self.watch_after_s = min(self.timeout_s / 2, WATCH_AFTER_BEATS * beat_s)
+        self.fresh_s = FRESH_BEATS * beat_s + 1.0
+        self.ended: dict[int, str] = {}  # pid -> why this launcher ended it (a stall)
+
+    # -- set-up ------------------------------------------------------------------------------
+    def started(self, base_env: dict[str, str]) -> None:
+        """The ranks of an attempt are started: start (or top up) the hot spares."""
+        job, config = self.job, self.job.config
+        if config.spares and self.spares is None:
+            self.spares = Spares(config.spares, config.program, config.module, base_env,
+                                 started=lambda pid: job.janitor.tell("group", pid),
+                                 ended=lambda pid: job.janitor.tell("forget", pid), log=job.log)
+        if self.spares is not None:
+            self.spares.fill()
+
+    def close(self) -> None:
+        if self.spares is not None:
+            self.spares.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    # -- restarts ----------------------------------------------------------------------------
+    def _count(self, attempt: int) -> int:
+        """Generations taken in ``attempt`` so far (``add`` of 0 reads a counter)."""
+        return self.job.store.add(recovery_key(attempt, "count"), 0)
+
+    def _spent_before(self, attempt: int) -> int:
+        """Restarts spent before ``attempt`` began: whole-job restarts and the replacements of earlier attempts."""
+        for k in range(attempt):
+            if k not in self._counts:
+                self._counts[k] = self._count(k)
+        return attempt + sum(self._counts[k] for k in range(attempt))
+
+    def restarts_spent(self, attempt: int) -> int:
+        """Restarts spent up to now: whole-job restarts (``attempt``) and every replacement."""
+        return self._spent_before(attempt) + self._count(attempt)
+
+    def say_why_not(self) -> None:
+        """Once per kind: why the whole job restarts instead of recovering in place."""
+        if self.why_not is not None and self.why_not[0] not in self._said:
+            self._said.add(self.why_not[0])
+            self.job.log(f"dptrain run: {self.why_not[1]}")
+
+    # -- watching ----------------------------------------------------------------------------
+    def watch(self, watch: Watch, attempt: int) -> tuple[RankProcess | None, str | None]:
+        """``watch.run()``, replacing the ranks of this node that fail while in-place recovery can."""
+        self.why_not = None
+        self._since.clear()
+        self._waits.clear()
+        while True:
+            failed, peer = watch.run(lambda running: self._end_stalled(running, attempt))
+            if failed is None or self.job.signals.received:
+                return failed, peer
+            why = self.ended.get(failed.proc.pid) or describe_exit(failed.poll())
+            try:
+                replaced = self._replace(watch, attempt, failed, why, time.time())
+            except (RuntimeError, OSError):  # the store is gone (node 0 ended): the usual failure
+                replaced = False
+            if not replaced:
+                return failed, None
+
+    def _blocker(self, attempt: int) -> tuple[str, str] | None:
+        """Why the failure at hand cannot be recovered in place: (kind, message), or None."""
+        store, warn = self.job.store, self.job.warnings
+        note = store_values.read(store, recovery_key(attempt, "fallback"), store_values.fallback_note, warn)
+        if note is not None:
+            return "fallback", f"a rank cannot recover in place ({note}); restarting all ranks instead"
+        world = self.job.layout.world_size
+        if store.check([recovery_key(attempt, f"capable/{r}") for r in range(world)]):
+            return None
+        missing = [r for r in range(world) if not store.check([recovery_key(attempt, f"capable/{r}")])]
+        return "capable", (f"in-place recovery needs every rank to train with dptrain.Trainer (rank(s) "
+                           f"{ranks_text(missing)} did not say they can); restarting all ranks instead")
+
+    def _replace(self, watch: Watch, attempt: int, failed: RankProcess, why: str, noticed: float) -> bool:
+        """Start a replacement for ``failed``; False when in-place recovery cannot (see ``why_not``)."""
+        job, config = self.job, self.job.config
+        before = self._spent_before(attempt)
+        if before + self._count(attempt) >= config.max_restarts:
+            return False  # the usual failure: no restart is left for any kind of recovery
+        self.why_not = self._blocker(attempt)
+        if self.why_not is not None:
+            return False
+        generation = job.store.add(recovery_key(attempt, "count"), 1)
+        restart = before + generation
+        if restart > config.max_restarts:  # another node took the last one meanwhile
+            return False
+        traceback = self._bury(failed, attempt)
+        spare = self.spares.take() if self.spares is not None else None
+        entry = {"rank": failed.rank, "why": why, "pid": failed.proc.pid, "time": noticed, "spare": spare is not None}
+        job.store.set(recovery_key(attempt, f"generation/{generation}"), json.dumps(entry))
+        environ = dict(failed.environ, DPTRAIN_GENERATION=str(generation))
+        if spare is not None and not self.spares.assign(spare, environ, [config.program] + list(config.args)):
+            spare = None
+        new = RankProcess(failed.rank, failed.local_rank, failed.cmd, environ, failed.show, job.console, failed.logs,
+                          proc=spare)
+        job.ranks[job.ranks.index(failed)] = new
+        job.janitor.tell("group", new.proc.pid)
+        watch.exits.pop(failed.rank, None)  # the rank runs again: its next exit is the replacement's
+        self._since.clear()  # every rank gets a whole timeout afresh after a recovery
+        self._waits.clear()
+        self.ended.pop(failed.proc.pid, None)
+        job.log(f"dptrain run: rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) {why}; "
+                f"in-place recovery: replacement pid {new.proc.pid}{' (a hot spare)' if spare is not None else ''} "
+                f"joins generation {generation} (restart {restart} of {config.max_restarts}); the other ranks keep "
+                f"running")
+        # Its last output is shown now, off the path from the failure to the replacement.
+        finish_output([failed], timeout_s=2.0)
+        tail = traceback or "\n".join(failed.tail)
+        if tail:
+            job.log(f"--- last lines of rank {failed.rank} ---\n{tail}\n---")
+        if self.spares is not None:
+            self.spares.fill()  # the next spare warms up while the job goes on
+        return True
+
+    def _bury(self, failed: RankProcess, attempt: int) -> str:
+        """Stop what is left of ``failed`` (its process group: DataLoader workers) and return the
+        traceback it left ("" if none); its error file is removed, so that the replacement's own
+        failure is never reported with this one's traceback."""
+        failed.send(signal.SIGKILL)
+        failed.join(None)
+        self.job.janitor.tell("forget", failed.proc.pid)
+        path = error_file(self.job.error_dir, attempt, failed.rank)
+        traceback = read_error_file(path)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        return traceback
+
+    # -- stalled ranks -----------------------------------------------------------------------
+    def _end_stalled(self, running: list[RankProcess], attempt: int) -> None:
+        """SIGKILL a rank of this node that stalls (see [Note: in-place recovery, the launcher's
+        side]); the watch then finds it dead and it is replaced, ``ended`` saying why."""
+        now = time.monotonic()
+        idle_ranks = []
+        for proc in running:
+            if proc.proc.pid in self.ended:
+                continue  # ended already; not reaped yet
+            beat = heartbeat(self.job.store, attempt, proc.rank, warn=self.job.warnings)
+            if beat is None or beat["pid"] != proc.proc.pid:
+                self._since.pop(proc.rank, None)
+                continue
+            self._first_t.setdefault(proc.proc.pid, beat["t"] or 0.0)
+            state = (beat["seq"], beat["ticks"], beat["ddp_steps"], beat["op"])
+            seen = self._since.get(proc.rank)
+            if seen is None or seen[0] != state:
+                self._since[proc.rank] = (state, now)
+            elif not beat["op"] and now - seen[1] >= self.watch_after_s and not self._leaving(attempt, proc):
+                idle_ranks.append((proc, beat, now - seen[1]))
+        if not idle_ranks:
+            self._waits.clear()
+            return
+        waits = self._read_waits(attempt, now)
+        for proc, beat, idle in idle_ranks:
+            if idle < self.timeout_s:
+                continue
+            # The others' waits were first seen ``watch_after_s`` into this rank's stillness at the latest.
+            long_enough = self.timeout_s - self.watch_after_s
+            waiter = next(((r, op) for r, (op, waited) in waits.items()
+                           if r != proc.rank and (waited is None or waited >= long_enough)), None)
+            if waiter is None:
+                continue
+            rank, op = waiter
+            text = f"made no progress for {idle:.0f}s ({where(beat)}) while rank {rank} waited in {op}"
+            self.job.log(f"dptrain run: rank {proc.rank} (local rank {proc.local_rank}, pid {proc.proc.pid}) {text}, "
+                         f"longer than the {self.timeout_s:g}s collective timeout; ending it")
+            self.ended[proc.proc.pid] = f"stalled: it {text}"
+            proc.send(signal.SIGKILL)
+
+    def _read_waits(self, attempt: int, now: float) -> dict[int, tuple[str, float | None]]:
+        """The ranks of the job that wait in a collective: rank -> ("op #seq", seconds seen waiting in it);
+        or whose collective failed: rank -> ("a collective that failed", None)."""
+        out: dict[int, tuple[str, float | None]] = {}
+        for rank in range(self.job.layout.world_size):
+            beat = heartbeat(self.job.store, attempt, rank, warn=self.job.warnings)
+            if beat is None or not self._alive(rank, beat, now):
+                self._waits.pop(rank, None)
+                continue
+            if beat["failed"] and not beat["op"]:
+                out[rank] = ("a collective that failed", None)
+            if not beat["op"]:
+                self._waits.pop(rank, None)
+                continue
+            where_ = (beat["pid"], beat["op"], beat["seq"])
+            seen = self._waits.get(rank)
+            if seen is None or seen[0] != where_:
+                seen = self._waits[rank] = (where_, now)
+            out[rank] = (f"{beat['op']} #{beat['seq']}", now - seen[1])
+        return out
+
+    def _alive(self, rank: int, beat: dict, now: float) -> bool:
+        """Whether ``rank``'s heartbeat was written anew within ``fresh_s`` (first sight: not yet known, so no)."""
+        seen = self._beating.get(rank)
+        if seen is None or seen[0] != beat["t"]:
+            self._beating[rank] = (beat["t"], now if seen is not None else float("-inf"))
+            return seen is not None
+        return now - seen[1] <= self.fresh_s
+
+    def _leaving(self, attempt: int, proc: RankProcess) -> bool:
+        """Whether ``proc`` wrote its ``left`` note (it is shutting down) since its first heartbeat."""
+        name = f"{keys_prefix(attempt)}/left/{proc.rank}"
+        note = store_values.read(self.job.store, name, store_values.left_note, self.job.warnings)
+        return note is not None and note["t"] is not None and note["t"] >= self._first_t.get(proc.proc.pid, 0.0)

@@ -1,0 +1,222 @@
+"""Hot spares: processes that have imported torch and dptrain and wait to become a rank.
+
+``dptrain run --recovery in-place --spares N`` keeps N of them on each node (``Spares``). When
+a rank fails, its replacement is a spare (see ``inplace``): what a fresh process would spend
+before the script's first line -- starting Python, importing torch -- was spent ahead, while
+the job ran, and is off the path from the failure to the replacement joining the job.
+
+Protocol: the launcher writes one line of JSON to the spare's stdin and closes it::
+
+    {"env": {...the rank's whole environment...}, "argv": ["train.py", "--lr", "0.1"],
+     "program": "train.py", "module": false}
+
+The spare makes ``env`` its environment (``os.environ``, replaced whole), ``argv`` its
+``sys.argv``, reads /dev/null on stdin from then on, as a rank does, and runs the program as
+``__main__`` with ``runpy``, as ``python -u train.py ...`` (``python -u -m pkg.train ...`` with
+``"module": true``) would. An end of input without a line (the launcher ended, or no longer
+needs it) ends the spare with code 0.
+
+[Note: what a spare imports ahead]
+torch, ``torch.distributed`` and the Trainer (``dptrain.train``, which brings ``dptrain``,
+``env``, ``comm``, the DDP wrapper and the sampler): what every dptrain rank imports. It cannot
+do more before it knows which rank it becomes: no CUDA context (the device is the rank's local
+rank, and a context made on the wrong GPU holds its memory there), no store connection, no
+process group. A variable torch reads as it is imported (``OMP_NUM_THREADS``) is the same in
+the spare's environment as in the rank's: both start from the launcher's base environment
+(``job.base_environ``); what differs (``RANK``, ``LOCAL_RANK``, ...) is read only at use. The
+imports are best effort: one that fails is left for the script to meet, under its rank's name.
+
+The spare is started as ``python -u -m dptrain.launcher.spare PATH``, where PATH is what
+``sys.path[0]`` is for the program run the usual way (its folder, or the working directory with
+``-m``), so that the imports ahead resolve as the rank's own would. This module imports only
+the standard library at its top (the launcher imports it too, and never imports torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Callable
+
+__all__ = ["Spares", "main"]
+
+
+# ------------------------------------------------------------------------ the spare's side --
+
+
+def _warm_up() -> None:
+    """Import what every dptrain rank imports (see [Note: what a spare imports ahead])."""
+    try:
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+
+        import dptrain.train  # noqa: F401
+    except Exception:  # noqa: BLE001 - the script meets the same error under its rank's name
+        pass
+
+
+def _read_task(fd: int = 0) -> dict | None:
+    """The launcher's one line of JSON on ``fd``, or None at the end of input without one."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 1 << 16)  # not sys.stdin: nothing may stay buffered past the line
+        if not chunk:
+            break
+        data += chunk
+    return json.loads(data) if data.strip() else None
+
+
+def _become(task: dict, path0: str) -> None:
+    """Take on the rank's environment, arguments and stdin (see the module's docstring)."""
+    os.environ.clear()
+    os.environ.update(task["env"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.argv = list(task["argv"])
+    if sys.path and sys.path[0] != path0:
+        sys.path[0] = path0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run as a hot spare: import ahead, wait for the launcher's assignment, run the program as ``__main__``."""
+    import runpy
+
+    args = sys.argv[1:] if argv is None else argv
+    path0 = args[0] if args else os.getcwd()
+    if sys.path:
+        sys.path[0] = path0  # what the rank's own sys.path[0] is (see the module's docstring)
+    _warm_up()
+    try:
+        task = _read_task()
+    except (OSError, ValueError):  # the launcher's end is gone or wrote no assignment
+        return 0
+    if task is None:
+        return 0
+    _become(task, path0)
+    try:
+        if task.get("module"):
+            runpy.run_module(task["program"], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(task["program"], run_name="__main__")
+    except Exception:  # noqa: BLE001 - shown as the interpreter shows a script's, without our frames
+        etype, exc, tb = sys.exc_info()
+        ours = (os.path.abspath(__file__), runpy.__file__)
+        while tb is not None and (tb.tb_frame.f_code.co_filename in ours
+                                  or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+            tb = tb.tb_next
+        sys.excepthook(etype, exc.with_traceback(tb), tb)  # it prints the exception's own traceback
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------- the launcher's side --
+
+
+def spare_path0(program: str, module: bool) -> str:
+    """``sys.path[0]`` of ``program`` run as ``python program`` (its real folder) or ``python -m program``."""
+    return os.getcwd() if module else os.path.dirname(os.path.realpath(program))
+
+
+class Spares:
+    """The hot spares of one launcher: ``count`` processes started ahead, each handed to the
+    next rank of this node that needs a replacement.
+
+    ``environ`` is the base environment of the ranks (``job.base_environ``); ``started(pid)``
+    and ``ended(pid)`` tell the janitor (a spare dies with the launcher, as a rank does);
+    ``log`` prints a launcher line.
+    """
+
+    def __init__(self, count: int, program: str, module: bool, environ: dict[str, str],
+                 started: Callable[[int], None], ended: Callable[[int], None], log: Callable[[str], None]) -> None:
+        from dptrain.launcher.janitor import parent_death_signal
+
+        self.count = count
+        self.program = program
+        self.module = module
+        self.environ = environ
+        self._started, self._ended, self.log = started, ended, log
+        self._preexec = parent_death_signal
+        self.waiting: list[subprocess.Popen] = []  # oldest first: the one most likely warm
+
+    def fill(self) -> None:
+        """Start spares until ``count`` are waiting (those that died are said once and dropped)."""
+        for proc in [p for p in self.waiting if p.poll() is not None]:
+            self.waiting.remove(proc)
+            self._discard(proc, gone=True)
+        while len(self.waiting) < self.count:
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-u", "-m", "dptrain.launcher.spare", spare_path0(self.program, self.module)],
+                    env=self.environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    start_new_session=True,  # its own process group, as a rank's (see workers.RankProcess)
+                    preexec_fn=self._preexec(os.getpid()),
+                )
+            except OSError as exc:  # no process to spare: a replacement starts afresh instead
+                self.log(f"dptrain run: could not start a hot spare ({exc}); a failed rank's replacement starts afresh")
+                return
+            self._started(proc.pid)
+            self.waiting.append(proc)
+
+    def take(self) -> subprocess.Popen | None:
+        """A waiting spare, no longer in ``waiting`` (None: none left alive)."""
+        while self.waiting:
+            proc = self.waiting.pop(0)
+            if proc.poll() is None:
+                return proc
+            self._discard(proc, gone=True)
+        return None
+
+    def assign(self, proc: subprocess.Popen, environ: dict[str, str], argv: list[str]) -> bool:
+        """Make ``proc`` (from ``take``) the rank that ``environ`` describes; False if it is gone."""
+        task = {"env": environ, "argv": argv, "program": self.program, "module": self.module}
+        try:
+            proc.stdin.write(json.dumps(task).encode() + b"\n")
+            proc.stdin.close()  # the spare reads one line; from now on its stdin is /dev/null
+            return True
+        except (OSError, ValueError):
+            self._discard(proc, gone=True)
+            return False
+
+    def _discard(self, proc: subprocess.Popen, gone: bool = False) -> None:
+        """Stop ``proc`` (with its process group), reap it and close its pipes; say why a spare that died did."""
+        if gone and proc.poll() is not None:
+            last = _last_line(proc)
+            self.log(f"dptrain run: a hot spare (pid {proc.pid}) exited with code {proc.returncode} before it was "
+                     f"needed{f': {last}' if last else ''}")
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                pipe.close()
+            except (OSError, ValueError, AttributeError):
+                pass
+        self._ended(proc.pid)
+
+    def close(self) -> None:
+        """Stop every waiting spare: they hold no work, so SIGKILL at once."""
+        while self.waiting:
+            self._discard(self.waiting.pop())
+
+
+def _last_line(proc: subprocess.Popen) -> str:
+    """The last line a dead spare wrote on stderr (what there is to read now; nobody relays it)."""
+    from dptrain.launcher.store_values import clean
+
+    try:
+        os.set_blocking(proc.stderr.fileno(), False)
+        data = proc.stderr.read(1 << 16) or b""
+    except (OSError, ValueError, TypeError):
+        return ""
+    lines = [line for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
+    return clean(lines[-1], 300) if lines else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""In-place recovery in the Trainer: a rank dies, the others keep their processes and go on.
+
+[Note: in-place recovery]
+Under ``dptrain run --recovery in-place`` the launcher does not stop the job when a rank
+dies: it announces a new generation of the process group and starts a replacement for that
+rank (see [Note: generations] in :mod:`dptrain._regroup`). Here is what the ranks do so that
+the run ends bit for bit where an uninterrupted one would.
+
+*Commits.* After every optimizer step (and at the end of every epoch, and when ``fit``
+starts) the Trainer is at a *commit*: a point a resumed run could continue from, exactly
+as from a checkpoint taken there (see [Note: bitwise resume] in :mod:`dptrain.train.state`).
+Commits are numbered the same on every rank. What is the same on every rank at a commit --
+weights, optimizer, scheduler, scaler, progress, callbacks, the loader's position -- changes
+only in the optimizer step, and nothing collective happens between that step and the commit
+after it: so a rank that notices a failure (always in a collective) still holds the shared
+state of its last commit. What differs between ranks -- RNG streams, the epoch's running
+loss, buffers -- is kept per commit as a small *snapshot*.
+
+*Snapshots outlive the rank.* A replacement needs the dead rank's snapshot. Each rank writes
+its snapshot of the coming commit into the launcher's recovery directory as soon as it is
+determined -- after the forward of a step's last micro-batch, before the backward sends
+anything -- so a rank whose gradients reached the others has always written the snapshot of
+the commit they reach. Two files alternate (``rank<r>.0``/``.1``, each replaced atomically),
+so the one before is there too. This is not a checkpoint: a few kB of RNG state, two sums
+and the buffers, never the weights.
+
+*Recovering.* The members of the new generation exchange their last commits. The target is
+the newest one any survivor reached (a ring all-reduce may complete on one rank and fail on
+another); the lowest such survivor is the source. It broadcasts the shared state; every
+member takes its own snapshot of the target (a survivor one commit behind has it prepared,
+a replacement reads its rank's file), rebuilds DDP's reducer with the source's bucket
+layout, drops any gradient, and the loop continues from the target like a resume -- the
+interrupted step is done again with the same data. A checkpoint that was due at the target
+and not finished is written again. When a member has no snapshot of the target the run
+cannot go on exactly: the ranks exit with :data:`FALLBACK_EXIT` after writing why, and the
+launcher restarts the whole job from its newest checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import glob
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dptrain import _heartbeat, _regroup, _settings, comm
+from dptrain._errors import CollectiveError
+
+__all__ = ["InPlaceRecovery", "in_place_requested", "is_replacement", "FALLBACK_EXIT"]
+
+#: Exit code of a rank that cannot recover in place (the launcher then restarts the whole job).
+FALLBACK_EXIT = 75
+
+
+def in_place_requested() -> bool:
+    """Whether the launcher runs this job with ``--recovery in-place``."""
+    return _settings.get("DPTRAIN_RECOVERY") == "in-place"
+
+
+def is_replacement() -> bool:
+    """Whether this process replaces a rank that died (it joins a running job)."""
+    return in_place_requested() and bool(_settings.get("DPTRAIN_GENERATION"))
+
+
+def _unsupported(trainer: Any) -> str | None:
+    """Why this Trainer cannot recover in place, or None when it can."""
+    strategy = trainer.strategy
+    if strategy.name != "ddp":
+        return (f"strategy {strategy.name!r} (in-place recovery works with dptrain's DDP, strategy='ddp'; FSDP, ZeRO "
+                f"and torch's DDP restart the whole job)")
+    if getattr(strategy, "steps_in_backward", None):
+        return "an optimizer stepped inside backward (overlap_optimizer) cannot be rolled back"
+    if not hasattr(trainer.model, "_rejoin"):
+        return f"the model is wrapped as {type(trainer.model).__name__}, not dptrain.DistributedDataParallel"
+    return None
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    """A failure in a collective -- a peer died or stalled -- rather than an error of this rank's own."""
+    if _heartbeat.progress().get("failed"):
+        return True
+    seen = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, CollectiveError) or type(seen).__name__ in ("ShmPeerError", "DistBackendError",
+                                                                         "DistNetworkError", "DistError"):
+            return True
+        text = str(seen)
+        if isinstance(seen, RuntimeError) and any(s in text for s in ("Connection closed by peer", "Connection reset",
+                                                                        "Broken pipe", "Timed out", "gloo")):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _forget(exc: BaseException) -> None:
+    """Clear the frames of a failed step's traceback: their locals (works, groups) keep the broken
+    process group alive, and with it its connections (see :meth:`InPlaceRecovery._let_go`)."""
+    seen = exc
+    for _ in range(16):
+        if seen is None:
+            break
+        if seen.__traceback__ is not None:
+            traceback.clear_frames(seen.__traceback__)
+        seen = seen.__cause__ or seen.__context__
+
+
+class _Snapshot(dict):
+    """One rank's part of a commit: ``seq`` (the commit's number), ``rng``, ``loss_sum``, ``sample_count``,
+    ``buffers`` (plain CPU tensors: small, and loadable with ``weights_only=True``)."""
+
+
+class InPlaceRecovery:
+    """A Trainer's side of in-place recovery; every method is a no-op unless :attr:`active`."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        world = trainer.world
+        self.requested = in_place_requested() and world.world_size > 1 and dist.is_initialized()
+        self.why_not = _unsupported(trainer) if self.requested else None
+        self.active = self.requested and self.why_not is None
+        self.directory = _settings.get("DPTRAIN_RECOVERY_DIR") if self.active else None
+        self.seq = -1  # the last commit's number; -1 before the first
+        self.snapshot: _Snapshot | None = None  # this rank's part of commit `seq`
+        self.prepared: _Snapshot | None = None  # ... of commit `seq + 1`, once determined
+        self.loader_state: Any = None  # the loader's position at commit `seq`
+        self.layout: dict | None = None  # DDP's reducer at commit `seq` (see DistributedDataParallel._recovery_layout)
+        self.pending_save = False  # a checkpoint due at commit `seq` is not written yet
+        self.recoveries = 0
+        self.joined_from: str | None = None  # a replacement: what it got its state from
+
+    # -- commits -------------------------------------------------------------------------
+    def _own_state(self, loss_sum: torch.Tensor, count: int) -> _Snapshot:
+        model = self.trainer.model
+        return _Snapshot(rng=self.trainer.state.rng_state(), loss_sum=loss_sum.detach().cpu().clone(), sample_count=int(count),
+                         buffers={k: v.detach().cpu().clone() for k, v in model.named_buffers()})
+
+    def _write(self, snap: _Snapshot) -> None:
+        """Make ``snap`` readable by a replacement of this rank (see [Note: in-place recovery])."""
+        if not self.directory:
+            return
+        rank = self.trainer.rank
+        tmp = os.path.join(self.directory, f"rank{rank}.tmp")
+        torch.save(dict(snap), tmp)
+        os.replace(tmp, os.path.join(self.directory, f"rank{rank}.{snap['seq'] % 2}"))
+
+    def prepare_step(self, pending: list) -> None:
+        """After the forward of a step's last micro-batch: this rank's part of the next commit.
+
+        ``pending`` holds the step's ``(loss, num_samples)``; they are summed exactly as
+        ``TrainState.record_batch`` will sum them after the step.
+        """
+        if not self.active:
+            return
+        state = self.trainer.state
+        total = state.loss_sum.clone()
+        count = state.sample_count
+        for loss, n in pending:
+            total += loss.detach().to(torch.float64) * n
+            count += n
+        snap = self._own_state(total, count)
+        snap["seq"] = self.seq + 1
+        self.prepared = snap
+        self._write(snap)
+
+    def prepare_epoch_end(self) -> None:
+        """Once the epoch's end has made the buffers final (rank 0's, before the dev evaluation):
+        this rank's part of the commit after the epoch (its running sums start again from 0)."""
+        if not self.active:
+            return
+        snap = self._own_state(torch.zeros((), dtype=torch.float64), 0)
+        snap["seq"] = self.seq + 1
+        self.prepared = snap
+        self._write(snap)
+
+    def commit(self, batch: int, prepared: bool) -> None:
+        """Right after an optimizer step or an epoch's end (``batch`` 0); ``prepared``: this rank's part
+        was prepared ahead (False for a skipped step, whose losses are not added, and at ``fit``'s start)."""
+        if not self.active:
+            return
+        trainer = self.trainer
+        trainer.state.batch_in_epoch = batch
+        snap = self.prepared if prepared and self.prepared is not None else None
+        if snap is None:
+            state = trainer.state
+            snap = self._own_state(state.loss_sum, state.sample_count)
+            snap["seq"] = self.seq + 1
+            self._write(snap)
+        self.seq, self.snapshot, self.prepared = snap["seq"], snap, None
+        self.layout = trainer.model._recovery_layout()  # DDP's buckets as this commit left them
+        pending = trainer.state._pending_loader_state  # a resumed position not yet given to the loader
+        self.loader_state = pending if pending is not None else trainer._parts.parts["train_loader"].state_dict()
+        self.pending_save = False
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Around a checkpoint due at the current commit: one that did not finish is written again."""
+        self.pending_save = self.active
+        yield
+        self.pending_save = False
+
+    def announce(self) -> None:
+        """At ``fit``'s start: tell the launcher whether a failure can be recovered in place."""
+        if not self.requested:
+            return
+        from dptrain import env
+
+        trainer = self.trainer
+        if self.active:
+            env._STATE.store.set(f"recovery/capable/{trainer.rank}", "1")
+            if self.seq < 0:
+                self.commit(trainer.state.batch_in_epoch, prepared=False)
+        elif trainer.rank == 0:
+            print(f"dptrain: --recovery in-place is not available to this job: {self.why_not}; a failure "
+                  f"restarts the whole job from its newest checkpoint instead", file=sys.stderr, flush=True)
+
+    # -- recovering ------------------------------------------------------------------------
+    def can_recover(self, exc: BaseException) -> bool:
+        return self.active and isinstance(exc, Exception) and _is_peer_failure(exc)
+
+    def recover(self, exc: BaseException) -> None:
+        """A survivor's side: wait for the launcher's new generation, re-form the group, restore, go on.
+
+        Raises ``exc`` again when no recovery is announced within the collective timeout.
+        """
+        from dptrain import env
+
+        failed_at = time.time()
+        _forget(exc)
+        self._drop_step()
+        timeout = env._STATE.timeout.total_seconds()
+        try:
+            generation = _regroup.wait_for_generation(env._STATE.store, env._STATE.generation, timeout)
+        except TimeoutError:
+            raise exc from None
+        while True:
+            try:
+                self._let_go()
+                generation = env._reform(generation)
+                self._exchange_and_restore(generation, failed_at)
+                return
+            except Exception as again:  # noqa: BLE001 - a member died during the recovery itself
+                if not _is_peer_failure(again) and not isinstance(again, TimeoutError):
+                    raise
+                _forget(again)
+                self._drop_step()
+                try:
+                    generation = _regroup.wait_for_generation(env._STATE.store, env._STATE.generation, timeout)
+                except TimeoutError:
+                    raise again from None
+
+    def join(self) -> None:
+        """A replacement's side, at the end of the Trainer's construction: get the state from a live peer."""
+        from dptrain import env
+
+        generation = env._STATE.generation
+        timeout = env._STATE.timeout.total_seconds()
+        while True:
+            try:
+                self._exchange_and_restore(generation, None)
+                return
+            except Exception as again:  # noqa: BLE001 - another member died meanwhile
+                if not _is_peer_failure(again):
+                    raise
+                _forget(again)
+                generation = _regroup.wait_for_generation(env._STATE.store, env._STATE.generation, timeout)
+                self._let_go()
+                generation = env._reform(generation)
+
+    def _let_go(self) -> None:
+        """Drop every reference to the broken process group before it is destroyed.
+
+        gloo closes a group's connections only when nothing references it any more; a peer
+        blocked in one of its collectives with this (live) rank learns of the failure only
+        then -- otherwise it would wait for the whole collective timeout.
+        """
+        from dptrain import _shm
+
+        # A shared-memory collective that a live peer will never issue (it failed elsewhere first)
+        # is abandoned now instead of at the collective timeout.
+        _shm.abort_all("in-place recovery re-forms the process group")
+        model = self.trainer.model
+        if model.reducer is not None:
+            model.reducer.close()  # its hooks go; its works in flight (which hold the group) are dropped
+        model.reducer, model._shm, model.process_group = None, None, None
+        gc.collect()  # frames and works in reference cycles hold the group too
+
+    def _drop_step(self) -> None:
+        """Forget the step in flight: its gradients (some perhaps half-reduced) and a half-done unscale."""
+        trainer = self.trainer
+        trainer.optimizer.zero_grad(set_to_none=True)
+        for p in trainer.model.parameters():
+            p.grad = None
+        if trainer.scaler is not None:
+            from torch.amp.grad_scaler import _refresh_per_optimizer_state
+            from collections import defaultdict
+
+            trainer.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _status(self, failed_at: float | None) -> dict:
+        return {"rank": self.trainer.rank, "replacement": failed_at is None and self.seq < 0, "seq": self.seq,
+                "prepared": self.prepared["seq"] if self.prepared is not None else -1, "failed_at": failed_at,
+                "pid": os.getpid()}
+
+    def _snapshot_for(self, target: int) -> _Snapshot | None:
+        if self.snapshot is not None and self.seq == target:
+            return self.snapshot
+        if self.prepared is not None and self.prepared["seq"] == target:
+            return self.prepared
+        if self.seq >= 0 or not self.directory:
+            return None
+        for path in glob.glob(os.path.join(self.directory, f"rank{self.trainer.rank}.[01]")):
+            with contextlib.suppress(Exception):  # a file being replaced: the other one is the older commit
+                snap = torch.load(path, map_location="cpu", weights_only=True)
+                if snap.get("seq") == target:
+                    return _Snapshot(snap)
+        return None
+
+    def _shared_state(self) -> dict:
+        """What the source sends: the state every rank shares at its last commit."""
+        t = self.trainer
+        state = {
+            "seq": self.seq,
+            "model": t.strategy.model_state_dict(t.model, rank0_only=False),
+            "optimizer": t.strategy.optimizer_state_dict(t.optimizer),
+            "train_state": t.state.state_dict(),
+            "loader": self.loader_state,
+            "callbacks": t._parts.parts["callbacks"].state_dict(),
+            "best_state": t.best_state,
+            "checkpoints": sorted(t.checkpointer._ours),
+            "pending_save": self.pending_save,
+            "ddp_layout": self.layout,
+        }
+        if t.scheduler is not None:
+            state["scheduler"] = t.scheduler.state_dict()
+        if t.scaler is not None:
+            state["scaler"] = t.scaler.state_dict()
+        return state
+
+    def _exchange_and_restore(self, generation: int, failed_at: float | None) -> None:
+        from dptrain import env
+
+        t = self.trainer
+        statuses = comm.all_gather_object(self._status(failed_at))
+        survivors = [s for s in statuses if not s["replacement"]]
+        if not survivors:
+            self._fall_back("every rank of the job is new, so no live rank holds the training state")
+        target = max(s["seq"] for s in survivors)
+        source = min(s["rank"] for s in survivors if s["seq"] == target)
+        mine = self._snapshot_for(target)
+        missing = comm.all_gather_object(None if mine is not None else t.rank)
+        lacking = [r for r in missing if r is not None]
+        if lacking:
+            self._fall_back(f"rank(s) {lacking} have no record of their RNG streams and buffers at commit {target}, "
+                            f"so the run could not go on bit for bit")
+        started = time.perf_counter()
+        shared = comm.broadcast_object(self._shared_state() if t.rank == source else None, src=source)
+        transfer_s = time.perf_counter() - started
+        t.model._rejoin(shared["ddp_layout"])
+        self._restore(shared, mine, source)
+        self.recoveries += 1
+        if t.rank == 0:
+            self._say(generation, statuses, shared, source, transfer_s)
+        env._STATE.store.set(f"recovery/done/{generation}", "1")
+
+    def _restore(self, shared: dict, mine: _Snapshot, source: int) -> None:
+        t = self.trainer
+        where = f"rank {source} (in-place recovery)"
+        if t.rank != source:
+            t.strategy.load_model_state_dict(t.model, shared["model"], source=where)
+            t.strategy.load_optimizer_state_dict(t.optimizer, shared["optimizer"])
+            if t.scheduler is not None and "scheduler" in shared:
+                t.scheduler.load_state_dict(shared["scheduler"])
+            if t.scaler is not None and "scaler" in shared:
+                t.scaler.load_state_dict(shared["scaler"])
+            t._parts.parts["callbacks"].load_state_dict(shared["callbacks"])
+            t.best_state = shared["best_state"]
+        self._drop_step()
+        t.state.load_state_dict(shared["train_state"])
+        t.state.set_loader_position(shared["loader"])
+        t.checkpointer._ours = set(shared["checkpoints"])
+        # This rank's own part of the commit: RNG (applied where begin_epoch applies a resumed one), sums, buffers.
+        t.state._pending_rng = mine["rng"]
+        t.state.loss_sum = mine["loss_sum"].to(device=t.device, dtype=torch.float64).clone()
+        t.state.sample_count = int(mine["sample_count"])
+        buffers = dict(t.model.named_buffers())
+        with torch.no_grad():
+            for name, value in mine["buffers"].items():
+                if name in buffers:
+                    buffers[name].copy_(value)
+        self.seq, self.snapshot, self.prepared = shared["seq"], mine, None
+        self.loader_state, self.layout = shared["loader"], shared["ddp_layout"]
+        if t.state.global_step > 0:
+            t.optimizer._opt_called = True  # the run has stepped: an LR scheduler's step is in order
+        self.pending_save = bool(shared["pending_save"])
+
+    def _say(self, generation: int, statuses: list[dict], shared: dict, source: int, transfer_s: float) -> None:
+        """The one line a recovery leaves in the log (rank 0)."""
+        from dptrain import env
+
+        said = _regroup.announcement(env._STATE.store, generation)
+        progress = shared["train_state"]
+        new = [s["rank"] for s in statuses if s["replacement"]]
+        since = [s["failed_at"] for s in statuses if s["failed_at"] is not None]
+        waited = f"{time.time() - min(since):.2f} s" if since else "?"
+        size = sum(v.numel() * v.element_size() for v in shared["model"].values())
+        who = f"rank {said.get('rank', '?')}" + (f" (pid {said['pid']})" if said.get("pid") else "")
+        why = said.get("why", "failed")
+        spare = " a hot spare" if said.get("spare") else ""
+        print(
+            f"dptrain: recovered in place (generation {generation}): {who} {why}, at step {progress['global_step']} "
+            f"(epoch {progress['epoch'] + 1}, batch {progress['batch_in_epoch']}); the survivors waited {waited}; "
+            f"rank(s) {new} ({'new process' if not spare else spare}) got the model, optimizer and progress from rank "
+            f"{source} over the process group ({size / 2**20:.2f} MiB of weights in {transfer_s:.3f} s), their RNG "
+            f"streams and buffers from their rank's step snapshot; no checkpoint was read",
+            file=sys.stderr, flush=True,
+        )
+
+    def _fall_back(self, why: str) -> None:
+        """In-place recovery cannot be exact: have the launcher restart the whole job instead."""
+        from dptrain import env
+
+        message = f"in-place recovery is not possible: {why}; restarting the whole job from its newest checkpoint"
+        with contextlib.suppress(Exception):
+            env._STATE.store.set("recovery/fallback", message)
+        print(f"dptrain: rank {self.trainer.rank}: {message}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(FALLBACK_EXIT)  # no clean shutdown: the group is in an unknown state

@@ -1,0 +1,422 @@
+"""``dptrain run --recovery in-place``, the launcher's side (issue 32; dptrain.launcher.inplace, .spare).
+
+The ranks here are fakes that speak the store protocol of in-place recovery themselves (see
+[Note: in-place recovery, the launcher's side] in ``dptrain.launcher.inplace``): they write
+``recovery/capable/<rank>``, read ``recovery/generation/<g>``, write ``recovery/fallback``, and
+kill or stop themselves on cue. They use dptrain's own store client, not torch's TCPStore: the
+same wire protocol without a torch import (a second of CPU per process), so that the whole
+file runs in seconds. What a Trainer does with a generation is tested with the Trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from dptrain.launch import LaunchConfig
+from tests.launcher.test_store import server  # noqa: F401 - the fixture: a store on a free port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: A fake rank. Its plan (JSON, the first argument): ``victim`` (the rank that fails, default
+#: 1), ``how`` ("kill": SIGKILL itself; "stall": say in its heartbeat that it is outside any
+#: collective while the others wait in one, then SIGSTOP itself), ``die_attempts`` and
+#: ``die_gens`` (when it fails: attempt numbers and generations), ``incapable`` (ranks that do
+#: not write ``capable``), ``fallback`` (rank 0 writes it, and exits 75, on seeing generation
+#: 1 of attempt 0), ``wait_spare`` (the victim fails only once a hot spare has imported torch).
+#: Every rank but the victim waits for the victim to finish (``test/done``).
+FAKE_RANK = r'''
+import os, sys, time
+STARTED = time.time()
+HAD_TORCH = "torch" in sys.modules  # before this script imports anything: a hot spare imported it
+
+
+def _age():
+    """Seconds this process had existed when the script started (from /proc: the kernel's clock)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open("/proc/self/stat") as fh:
+        start = int(fh.read().rsplit(")", 1)[1].split()[19]) / ticks
+    with open("/proc/uptime") as fh:
+        return float(fh.read().split()[0]) - start
+
+
+AGE = _age()
+import json, signal, stat, threading
+
+from dptrain.launcher.store_client import StoreClient
+
+plan = json.loads(sys.argv[1])
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+gen = int(os.environ.get("DPTRAIN_GENERATION", "0"))
+keys = f"dptrain/attempt{attempt}/dp/"
+store = StoreClient(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
+victim = plan.get("victim", 1)
+
+
+def say(what, **kw):
+    print(what, json.dumps(dict(rank=rank, gen=gen, attempt=attempt, pid=os.getpid(), **kw)), flush=True)
+
+
+def spares():
+    """The launcher's hot spares: [(pid, imported torch)]."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                if int(fh.read().rsplit(")", 1)[1].split()[1]) != os.getppid():
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as fh:
+                if b"dptrain.launcher.spare" not in fh.read():
+                    continue
+            with open(f"/proc/{name}/maps") as fh:
+                found.append((int(name), "libtorch" in fh.read()))
+        except OSError:
+            pass
+    return found
+
+
+folder = os.environ.get("DPTRAIN_RECOVERY_DIR")
+say("START", t=STARTED, age=AGE, torch=HAD_TORCH, local_rank=int(os.environ["LOCAL_RANK"]),
+    recovery=os.environ.get("DPTRAIN_RECOVERY"), folder=folder,
+    mode=stat.S_IMODE(os.stat(folder).st_mode) if folder else None)
+if rank not in plan.get("incapable", []):
+    store.set(keys + f"recovery/capable/{rank}", "1")
+
+
+def heartbeat(op, seq):
+    own = StoreClient(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))  # the other waits holding its lock
+
+    def beat():
+        while True:  # the same state each time, written anew: the launcher sees no progress, but a live rank
+            own.set(keys + f"hb/{rank}", json.dumps({"seq": seq, "op": op, "ticks": 0, "ddp_steps": 0,
+                                                        "failed": False, "t": time.time(), "pid": os.getpid()}))
+            time.sleep(0.2)
+    threading.Thread(target=beat, daemon=True).start()
+
+
+stalls = plan.get("how") == "stall" and gen == 0
+if rank == victim:
+    if attempt in plan.get("die_attempts", [0]) and gen in plan.get("die_gens", [0]):
+        store.wait([keys + f"recovery/capable/{r}" for r in range(world) if r not in plan.get("incapable", [])])
+        if plan.get("wait_spare"):
+            while not any(warm for _, warm in spares()):
+                time.sleep(0.05)
+            time.sleep(0.5)  # dptrain.train after torch
+        if stalls:
+            heartbeat("", 4)
+            time.sleep(0.5)
+            say("STALLING")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        say("DYING", t=time.time())
+        os.kill(os.getpid(), signal.SIGKILL)
+    say("END")
+    store.set(keys + "test/done", "1")
+    sys.exit(0)
+
+if plan.get("how") == "stall":
+    heartbeat("all_reduce", 5)
+if plan.get("fallback") and rank == 0 and attempt == 0:
+    store.wait([keys + "recovery/generation/1"])
+    store.set(keys + "recovery/fallback", plan["fallback"])
+    sys.exit(75)
+store.wait([keys + "test/done"])
+generations = []
+g = 1
+while store.check([keys + f"recovery/generation/{g}"]):
+    generations.append(json.loads(store.get(keys + f"recovery/generation/{g}")))
+    g += 1
+say("END", generations=generations, spares=[pid for pid, _ in spares()])
+'''
+
+_LINE = re.compile(r"^\[rank(\d+)\] (START|END|DYING|STALLING) (\{.*\})$")
+
+
+@pytest.fixture
+def fake(tmp_path):
+    path = tmp_path / "fake_rank.py"
+    path.write_text(FAKE_RANK)
+    return str(path)
+
+
+def dptrain_run(*args, timeout=30, env=None):
+    """``dptrain run ARGS`` as a subprocess, killed after ``timeout`` seconds (then the test fails)."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "dptrain", "run", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=full_env)
+
+
+def events(stdout: str) -> list[tuple[str, dict]]:
+    """What the fake ranks said, in order: (word, fields)."""
+    out = []
+    for line in stdout.splitlines():
+        m = _LINE.match(line)
+        if m:
+            out.append((m.group(2), json.loads(m.group(3))))
+    return out
+
+
+def said(evts, word, **match) -> list[dict]:
+    return [e for w, e in evts if w == word and all(e.get(k) == v for k, v in match.items())]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _replacement_line(stderr: str) -> re.Match:
+    m = re.search(r"dptrain run: rank 1 \(local rank 1, pid (\d+)\) (.*?); in-place recovery: replacement pid (\d+)"
+                  r"( \(a hot spare\))? joins generation (\d+) \(restart (\d+) of (\d+)\); the other ranks keep running",
+                  stderr)
+    assert m, stderr
+    return m
+
+
+# -- a rank dies: replaced, the others keep running ---------------------------------------------
+def test_a_killed_rank_is_replaced_and_the_others_keep_running(fake):
+    out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "3", fake, "{}")
+    assert out.returncode == 0, out.stderr
+    evts = events(out.stdout)
+    # Rank 0: started once, ended in the same process.
+    (start0,), (end0,) = said(evts, "START", rank=0), said(evts, "END", rank=0)
+    assert start0["pid"] == end0["pid"] and start0["gen"] == 0
+    # Rank 1: the job's process died; the replacement is a new process for the same rank, generation 1.
+    first, second = said(evts, "START", rank=1)
+    assert (first["gen"], second["gen"]) == (0, 1) and first["pid"] != second["pid"]
+    assert second["local_rank"] == 1 and second["attempt"] == 0  # RANK, LOCAL_RANK, the attempt: unchanged
+    line = _replacement_line(out.stderr)
+    assert int(line[1]) == first["pid"] and int(line[3]) == second["pid"]
+    assert line[2].startswith("was killed by SIGKILL") and line[4] is None
+    assert (line[5], line[6], line[7]) == ("1", "1", "3")
+    assert "restarting all ranks" not in out.stderr and "stopping" not in out.stderr
+    # The generation the survivors read: which rank, why, its old pid, no spare.
+    (entry,) = end0["generations"]
+    assert (entry["rank"], entry["pid"], entry["spare"]) == (1, first["pid"], False)
+    assert entry["why"].startswith("was killed by SIGKILL") and entry["time"] <= second["t"]
+    # The ranks' settings; the recovery folder is private, in memory where it can be, and gone after the job.
+    assert start0["recovery"] == second["recovery"] == "in-place"
+    folder = start0["folder"]
+    assert folder == second["folder"] and start0["mode"] == 0o700
+    assert folder.startswith("/dev/shm/") or not os.path.isdir("/dev/shm")
+    assert not os.path.exists(folder)
+
+
+def test_restarts_count_replacements_and_a_death_past_them_ends_the_job_as_usual(fake):
+    out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "1", fake,
+                      json.dumps({"die_gens": [0, 1]}))
+    assert out.returncode == 1, out.stderr
+    evts = events(out.stdout)
+    assert len(said(evts, "START", rank=0)) == 1 and not said(evts, "END", rank=0)  # stopped, never restarted
+    line = _replacement_line(out.stderr)
+    assert (line[5], line[6], line[7]) == ("1", "1", "1")
+    second = said(evts, "START", rank=1, gen=1)[0]["pid"]
+    assert (f"dptrain run: rank 1 (local rank 1, pid {second}) was killed by SIGKILL" in out.stderr
+            and "; stopping the other 1 rank(s) of this node" in out.stderr)
+    assert "giving up after 1 restart(s)" in out.stderr and "restarting all ranks" not in out.stderr
+
+
+# -- where in-place recovery cannot work: the whole job restarts, and says why once ---------------
+def test_ranks_that_did_not_say_they_can_recover_get_a_restart_of_all_said_once(fake):
+    plan = {"incapable": [1], "die_attempts": [0, 1]}
+    out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "2", fake, json.dumps(plan))
+    assert out.returncode == 0, out.stderr
+    why = ("dptrain run: in-place recovery needs every rank to train with dptrain.Trainer (rank(s) 1 did not say "
+           "they can); restarting all ranks instead")
+    assert out.stderr.count(why) == 1, out.stderr
+    assert "restarting all ranks (restart 1 of 2)" in out.stderr and "restarting all ranks (restart 2 of 2)" in out.stderr
+    assert "in-place recovery: replacement" not in out.stderr
+    assert [e["attempt"] for e in said(events(out.stdout), "START", rank=0)] == [0, 1, 2]
+
+
+def test_a_rank_that_writes_fallback_gets_a_restart_of_all(fake):
+    plan = {"fallback": "strategy 'fsdp' cannot recover in place"}
+    out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "3", fake, json.dumps(plan))
+    assert out.returncode == 0, out.stderr
+    line = _replacement_line(out.stderr)  # first replaced in place; then rank 0 said it cannot go on
+    assert line[6] == "1"
+    assert "rank 0 (local rank 0, pid" in out.stderr and "exited with code 75" in out.stderr
+    why = ("dptrain run: a rank cannot recover in place (strategy 'fsdp' cannot recover in place); restarting all "
+           "ranks instead")
+    assert out.stderr.count(why) == 1, out.stderr
+    assert "restarting all ranks (restart 2 of 3)" in out.stderr  # the replacement was restart 1
+    evts = events(out.stdout)
+    assert said(evts, "END", rank=0, attempt=1) and said(evts, "END", rank=1, attempt=1)
+
+
+# -- hot spares -------------------------------------------------------------------------------------
+def test_a_hot_spare_becomes_the_replacement(fake):
+    out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "2", "--spares", "1",
+                      fake, json.dumps({"wait_spare": True}))
+    assert out.returncode == 0, out.stderr
+    evts = events(out.stdout)
+    (died,) = said(evts, "DYING", rank=1)
+    replacement = said(evts, "START", rank=1, gen=1)[0]
+    line = _replacement_line(out.stderr)
+    assert int(line[3]) == replacement["pid"] and line[4] == " (a hot spare)"
+    # The spare had imported torch and was running before the rank died; the script got its argv and env.
+    assert replacement["torch"] is True and replacement["local_rank"] == 1
+    gap = replacement["t"] - died["t"]
+    assert replacement["age"] > gap
+    assert gap < 5.0, gap  # loose: a fresh process would not be faster; the benchmark measures it
+    (end0,) = said(evts, "END", rank=0)
+    assert end0["generations"][0]["spare"] is True
+    # A new spare was started in its place (the replacement still runs as one), and is gone with the job.
+    fresh = [pid for pid in end0["spares"] if pid != replacement["pid"]]
+    assert len(fresh) == 1, end0
+    assert not _alive(fresh[0]) and not _alive(replacement["pid"])
+
+
+# -- a stalled rank --------------------------------------------------------------------------------
+def test_a_stalled_rank_is_ended_after_the_timeout_and_replaced(fake):
+    out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "2", "--timeout", "2",
+                      fake, json.dumps({"how": "stall"}))
+    assert out.returncode == 0, out.stderr
+    evts = events(out.stdout)
+    stalled = said(evts, "START", rank=1, gen=0)[0]["pid"]
+    assert said(evts, "STALLING", rank=1) and not said(evts, "DYING", rank=1)
+    assert re.search(rf"dptrain run: rank 1 \(local rank 1, pid {stalled}\) made no progress for \d+s \(outside any "
+                     r"collective after #4, 0 steps\) while rank 0 waited in all_reduce #5, longer than the 2s "
+                     r"collective timeout; ending it", out.stderr), out.stderr
+    line = _replacement_line(out.stderr)
+    assert int(line[1]) == stalled and line[2].startswith("stalled: it made no progress")
+    (start0,), (end0,) = said(evts, "START", rank=0), said(evts, "END", rank=0)
+    assert start0["pid"] == end0["pid"]
+    assert end0["generations"][0]["why"].startswith("stalled: ")
+    assert not _alive(stalled)
+
+
+# -- what is refused, and what restart mode leaves as it was ----------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    ({"recovery": "inplace"}, "--recovery 'inplace': choose restart"),
+    ({"recovery": "in-place"}, "add e.g. --max-restarts 3"),
+    ({"spares": 1, "max_restarts": 2}, "only in-place recovery does; add --recovery in-place"),
+    ({"spares": -1, "recovery": "in-place", "max_restarts": 2}, "--spares must be >= 0, got -1"),
+])
+def test_launch_config_refuses_what_cannot_work(fake, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LaunchConfig(program=fake, **kwargs)
+    LaunchConfig(program=fake, recovery="in-place", max_restarts=1, spares=2)
+
+
+def test_dptrain_run_refuses_a_bad_recovery_and_spares_without_it(fake):
+    out = dptrain_run("--recovery", "sometimes", fake)
+    assert out.returncode == 2 and "argument --recovery: invalid choice: 'sometimes'" in out.stderr
+    out = dptrain_run("--spares", "1", "--max-restarts", "1", fake)
+    assert out.returncode == 2 and out.stderr.startswith("dptrain run: error: --spares 1 keeps processes ready")
+
+
+def test_restart_mode_gives_the_ranks_no_recovery_settings(tmp_path):
+    script = tmp_path / "env.py"
+    script.write_text("import os\nprint(sorted(k for k in os.environ if k.startswith('DPTRAIN_RECOVERY') "
+                      "or k == 'DPTRAIN_GENERATION'))\n")
+    inherited = {"DPTRAIN_RECOVERY": "in-place", "DPTRAIN_RECOVERY_DIR": str(tmp_path), "DPTRAIN_GENERATION": "2"}
+    out = dptrain_run("--nproc-per-node", "2", "--max-restarts", "1", str(script), env=inherited)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("] []") == 2, out.stdout
+
+
+# -- when a rank counts as stalled: the rule, on a clock of our own --------------------------------
+class _Stalls:
+    """``InPlaceRecovery._end_stalled`` against a real store, with heartbeats planted by hand and a
+    clock that moves one second per call, as the watch calls it (collective timeout 10 s; the
+    default heartbeat interval, 2 s: the others' waits are watched from 5 s of stillness on)."""
+
+    def __init__(self, client, monkeypatch, tmp_path):
+        from types import SimpleNamespace
+
+        from dptrain.launcher import inplace
+        from dptrain.launcher.store_values import Warnings
+
+        monkeypatch.setenv("TMPDIR", str(tmp_path))
+        monkeypatch.delenv("DPTRAIN_HEARTBEAT_S", raising=False)
+        self.now = 0.0
+        monkeypatch.setattr(inplace.time, "monotonic", lambda: self.now)
+        self.client, self.lines, self.killed = client, [], []
+        job = SimpleNamespace(config=SimpleNamespace(timeout=10.0, spares=0), store=client, log=self.lines.append,
+                              janitor=SimpleNamespace(tell=lambda *a: None), warnings=Warnings(self.lines.append),
+                              layout=SimpleNamespace(world_size=2))
+        self.recovery = inplace.InPlaceRecovery(job)
+        self.ranks = [SimpleNamespace(rank=r, local_rank=r, proc=SimpleNamespace(pid=100 + r),
+                                      send=lambda sig, r=r: self.killed.append((r, sig))) for r in (0, 1)]
+
+    def beat(self, rank, seq, op="", t=0.0, failed=False, pid=None):
+        entry = {"seq": seq, "op": op, "ticks": 0, "ddp_steps": 0, "failed": failed, "t": 1e9 + t,
+                 "pid": pid or 100 + rank}
+        self.client.set(f"dptrain/attempt0/dp/hb/{rank}", json.dumps(entry))
+
+    def tick(self):
+        self.recovery._end_stalled([r for r in self.ranks if r.rank not in dict(self.killed)], 0)
+        self.now += 1.0
+
+    def run(self, seconds, rank0, rank1=lambda now: (4, "", 0.0)):
+        """Call once a second for ``seconds``: ``rankN(now)`` gives (seq, op, t) of its heartbeat."""
+        for _ in range(seconds):
+            self.beat(0, *rank0(self.now))
+            self.beat(1, *rank1(self.now))
+            self.tick()
+        return [t for t in self.killed]
+
+    def close(self):
+        self.recovery.close()
+
+
+@pytest.fixture
+def stalls(server, monkeypatch, tmp_path):  # noqa: F811 - the store fixture
+    from dptrain.launcher.store import StoreClient
+
+    client = StoreClient("127.0.0.1", server.port, timeout=5)
+    s = _Stalls(client, monkeypatch, tmp_path)
+    yield s
+    s.close()
+    client.close()
+
+
+def test_a_rank_still_past_the_timeout_while_another_waits_is_ended(stalls):
+    waiting = lambda now: (5, "all_reduce", now)  # noqa: E731 - a live heartbeat, in one collective
+    assert stalls.run(10, waiting) == []  # not before the timeout
+    assert stalls.run(3, waiting) == [(1, signal.SIGKILL)]
+    (line,) = stalls.lines
+    assert re.fullmatch(r"dptrain run: rank 1 \(local rank 1, pid 101\) made no progress for 1\ds \(outside any "
+                        r"collective after #4, 0 steps\) while rank 0 waited in all_reduce #5, longer than the 10s "
+                        r"collective timeout; ending it", line), line
+    assert stalls.recovery.ended[101].startswith("stalled: it made no progress for 1")
+
+
+def test_a_rank_the_others_have_just_begun_to_wait_for_is_left_alone(stalls):
+    # Rank 0 works until second 12, then waits: rank 1 has stood still since 0, but rank 0's wait is young.
+    late = lambda now: (5, "all_reduce", now) if now >= 12 else (int(now), "", now)  # noqa: E731
+    assert stalls.run(16, late) == []
+    assert stalls.run(6, late) == [(1, signal.SIGKILL)]
+
+
+def test_the_last_heartbeat_of_a_rank_that_is_gone_is_no_wait(stalls):
+    gone = lambda now: (5, "all_reduce", 0.0)  # noqa: E731 - written once, never again: exited, or stopped beating
+    assert stalls.run(30, gone) == []
+
+
+def test_a_rank_whose_collective_failed_waits_for_the_recovery(stalls):
+    failed = lambda now: (5, "", now, True)  # noqa: E731 - outside any collective, its own failed: waiting
+    assert stalls.run(13, failed) == [(1, signal.SIGKILL)]
+    assert "while rank 0 waited in a collective that failed" in stalls.lines[0]
+
+
+def test_a_rank_that_is_leaving_or_a_heartbeat_of_another_process_is_no_stall(stalls):
+    waiting = lambda now: (5, "all_reduce", now)  # noqa: E731
+    stalls.run(2, waiting)
+    stalls.client.set("dptrain/attempt0/dp/left/1", json.dumps({"t": 1e9 + 1, "ddp_steps": 0}))  # shutting down
+    assert stalls.run(20, waiting) == []
+    stalls.client.delete_key("dptrain/attempt0/dp/left/1")
+    # The heartbeat is the replaced process's (another pid): the replacement is not judged by it.
+    assert stalls.run(20, waiting, rank1=lambda now: (4, "", 0.0, False, 999)) == []

@@ -1,0 +1,134 @@
+"""A Trainer job for in-place recovery tests, run under ``dptrain run --recovery in-place``.
+
+Environment:
+  OUT     a directory for what the ranks report (pids, kill markers, final weights, checkpoint reads)
+  CKPT    checkpoint directory (unset: the job keeps no checkpoints at all)
+  KILLS   ';'-separated kills "rank:generation:where:at": the process of that rank started for that
+          generation (0: the job's own ranks; g: the replacement of generation g) SIGKILLs itself
+          where = forward | all_reduce | optimizer | checkpoint | eval | stall  at optimizer step ``at``
+          (for eval: the epoch, counted from 1; stall: stops itself with SIGSTOP instead of dying)
+  EPOCHS  epochs (default 2)
+"""
+
+import io
+import json
+import os
+import signal
+import sys
+import traceback
+
+import torch
+from torch import nn
+
+import dptrain
+from dptrain import Trainer, TrainerConfig, prepare_dataloader
+
+OUT = os.environ["OUT"]
+CKPT = os.environ.get("CKPT") or None
+GEN = int(os.environ.get("DPTRAIN_GENERATION") or 0)
+
+
+def note(name: str, **what) -> None:
+    with open(os.path.join(OUT, name), "w") as fh:
+        json.dump(what, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def die(trainer, where: str, **more) -> None:
+    note(f"killed-rank{trainer.rank}-gen{GEN}.json", rank=trainer.rank, gen=GEN, where=where, pid=os.getpid(),
+         step=trainer.global_step, stack=[f.name for f in traceback.extract_stack()], **more)
+    os.kill(os.getpid(), signal.SIGSTOP if where == "stall" else signal.SIGKILL)
+
+
+def arm(trainer, where: str, at: int) -> None:
+    if where in ("forward", "stall"):
+        def pre(module, args):
+            if module.training and trainer.global_step + 1 == at:
+                die(trainer, where)
+        trainer.model.module.register_forward_pre_hook(pre)
+    elif where == "all_reduce":
+        from dptrain.parallel.ddp._reducer import Reducer
+
+        real = Reducer._all_reduce
+
+        def all_reduce(self, flat, index):
+            work = real(self, flat, index)
+            if trainer.global_step + 1 == at:
+                die(trainer, where, bucket=index)
+            return work
+        Reducer._all_reduce = all_reduce
+    elif where == "optimizer":
+        def post(optimizer, args, kwargs):
+            if trainer.global_step + 1 == at:
+                die(trainer, where)
+        trainer.optimizer.register_step_post_hook(post)
+    elif where == "checkpoint":
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            name = os.path.basename(getattr(f, "name", "") or "")
+            if trainer.global_step == at and CKPT and ".tmp" in name and name.startswith(".ckpt-"):
+                buf = io.BytesIO()
+                real_save(obj, buf, *args, **kwargs)
+                f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+                f.flush()
+                die(trainer, where)
+            return real_save(obj, f, *args, **kwargs)
+        torch.save = save
+    elif where == "eval":
+        def pre(module, args):
+            if not module.training and trainer.epoch + 1 == at:
+                die(trainer, where)
+        trainer.model.module.register_forward_pre_hook(pre)
+    else:
+        raise SystemExit(f"unknown kill {where!r}")
+
+
+def watch_reads(rank: int) -> None:
+    """Record every file torch.load reads inside the checkpoint directory (none may be read by a recovery)."""
+    real = torch.load
+
+    def load(f, *args, **kwargs):
+        path = os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", "?")
+        if CKPT and str(path).startswith(os.path.abspath(CKPT)):
+            with open(os.path.join(OUT, f"reads-rank{rank}-pid{os.getpid()}.txt"), "a") as fh:
+                fh.write(f"{path}\n")
+        return real(f, *args, **kwargs)
+    torch.load = load
+
+
+def main() -> None:
+    import faulthandler
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a test that times out can ask where a rank is
+    world = dptrain.init()
+    note(f"start-rank{world.rank}-pid{os.getpid()}.json", rank=world.rank, pid=os.getpid(), gen=GEN)
+    watch_reads(world.rank)
+    dptrain.seed_everything(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 16),
+                          nn.ReLU(), nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(96, 8, generator=g), torch.randint(0, 3, (96,), generator=g)
+    dev = torch.utils.data.TensorDataset(torch.randn(30, 8, generator=g), torch.randint(0, 3, (30,), generator=g))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    config = TrainerConfig(checkpoint_dir=CKPT, save_every_steps=2 if CKPT else 0, keep_last=0, verbose=False,
+                           ddp_kwargs={"bucket_cap_mb": 0.001})  # several buckets: a kill can land between them
+    trainer = Trainer(model, opt, prepare_dataloader(torch.utils.data.TensorDataset(x, y), 4, seed=3),
+                      nn.CrossEntropyLoss(), config, dev_data=prepare_dataloader(dev, 8, mode="eval"),
+                      scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
+    for spec in filter(None, os.environ.get("KILLS", "").split(";")):
+        rank, gen, where, at = spec.split(":")
+        if int(rank) == world.rank and int(gen) == GEN:
+            arm(trainer, where, int(at))
+    summary = trainer.fit(int(os.environ.get("EPOCHS", "2")))
+    state = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}
+    torch.save({"state": state, "pid": os.getpid(), "gen": GEN, "step": summary["global_step"],
+                "history": [{k: v for k, v in h.items() if k not in ("time_s", "samples_per_s")}
+                            for h in summary["history"]]},
+               os.path.join(OUT, f"final-rank{world.rank}.pt"))
+    print(f"rank {world.rank} done at step {summary['global_step']}", file=sys.stderr)
+    dptrain.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""In-place recovery with the Trainer (issue 32): a rank dies, the others keep their processes,
+a replacement gets the state from a live rank, and the run ends bit for bit where an
+uninterrupted one ends.
+
+Each job is ``tests/scripts/train_inplace.py`` under ``dptrain run --recovery in-place``
+(gloo, CPU: the default shared-memory all-reduce among the ranks of the node). The victims
+kill themselves from inside (a patched function of that process only) at the moments named by
+the issue -- forward, backward in the middle of the gradient all-reduce, inside the optimizer
+step, half-way through a checkpoint write, during the dev evaluation -- one after the other in
+one job (so every kill after the first is also a kill of a job that recovered already), and
+each writes where it landed. Every test asserts:
+
+* the processes that were not killed are the ones that started (a rank has one start per
+  process: 1 + the kills it suffered), and one recovery line per kill names the rank and why;
+* no file of the checkpoint directory was read, by any process;
+* every rank's final weights, buffers and history equal the uninterrupted run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_inplace.py")
+
+
+
+def _run(out, nproc, kills="", ckpt=None, *extra, restarts=6, timeout=200):
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, OUT=str(out), KILLS=kills, CKPT=str(ckpt) if ckpt else "", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", str(nproc), "--recovery", "in-place",
+           "--max-restarts", str(restarts), *extra, SCRIPT]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(out), env=env)
+    assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
+    return done.stdout + done.stderr
+
+
+def _finals(out):
+    return {int(os.path.basename(p)[len("final-rank"):-3]): torch.load(p, weights_only=False)
+            for p in glob.glob(os.path.join(out, "final-rank*.pt"))}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The same jobs without a failure: 2 ranks with checkpoints, 3 ranks without."""
+    base = tmp_path_factory.mktemp("uninterrupted")
+    _run(base / "two", 2, "", base / "two-ckpt")
+    _run(base / "three", 3, "")
+    return {2: _finals(base / "two"), 3: _finals(base / "three")}
+
+
+def _check(out, log, reference, kills, ckpt=None):
+    finals = _finals(out)
+    assert sorted(finals) == sorted(reference)
+    for rank, ref in reference.items():
+        assert _same(finals[rank]["state"], ref["state"]), f"rank {rank}'s weights differ from the uninterrupted run's"
+        assert finals[rank]["history"] == ref["history"]
+        assert finals[rank]["step"] == ref["step"]
+    # Where each kill landed (written by the victim just before it died).
+    landed = []
+    for spec in kills:
+        rank, gen, where, _ = spec.split(":")
+        with open(os.path.join(out, f"killed-rank{rank}-gen{gen}.json")) as fh:
+            marker = json.load(fh)
+        assert marker["where"] == where
+        landed.append(marker)
+    # Survivors were never restarted: one process per rank, plus one per kill of that rank.
+    for rank in reference:
+        starts = glob.glob(os.path.join(out, f"start-rank{rank}-pid*.json"))
+        killed = [m for m in landed if m["rank"] == rank]
+        assert len(starts) == 1 + len(killed), (rank, starts, killed)
+        pids = {json.load(open(p))["pid"] for p in starts}
+        assert finals[rank]["pid"] in pids and finals[rank]["pid"] not in {m["pid"] for m in killed}
+    said = [line for line in log.splitlines() if line.startswith("[rank") and "dptrain: recovered in place" in line]
+    assert len(said) == len(kills), log  # one line per recovery (a dead rank's last lines repeat earlier ones)
+    for m in landed:
+        assert f"rank {m['rank']} (pid {m['pid']})" in log
+    assert "restarting all ranks" not in log
+    # No checkpoint file was read by any process: the state came over the process group.
+    assert glob.glob(os.path.join(out, "reads-*")) == []
+    return landed
+
+
+def test_a_rank_killed_at_each_moment_recovers_in_place_bitwise_on_two_ranks(tmp_path, uninterrupted):
+    # Generations count recoveries: rank 0 dies first at the third, so its replacement is generation 3.
+    kills = ["1:0:forward:3", "1:1:all_reduce:6", "0:0:optimizer:9", "0:3:checkpoint:10", "1:2:eval:2"]
+    log = _run(tmp_path / "out", 2, ";".join(kills), tmp_path / "ckpt")
+    landed = _check(tmp_path / "out", log, uninterrupted[2], kills, tmp_path / "ckpt")
+    assert "backward" in landed[1]["stack"] and "bucket" in landed[1]
+    assert "_optimizer_step" in landed[2]["stack"] and "save_checkpoint" in landed[3]["stack"]
+    assert "evaluate" in landed[4]["stack"]
+    # The checkpoint that rank 0 died writing was written again; every due checkpoint is there.
+    names = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "ckpt" / "ckpt-*.pt")))
+    assert "ckpt-e0000-s000000010.pt" in names and len(names) == 12, names
+    assert not [n for n in os.listdir(tmp_path / "ckpt") if ".tmp" in n and "ckpt-e0000-s000000010" not in n]
+
+
+def test_three_ranks_without_checkpoints_recover_in_place_bitwise(tmp_path, uninterrupted):
+    kills = ["2:0:all_reduce:3", "0:0:forward:5", "1:0:optimizer:9", "2:1:eval:2"]
+    log = _run(tmp_path / "out", 3, ";".join(kills))
+    _check(tmp_path / "out", log, uninterrupted[3], kills)
+    assert "no checkpoint was read" in log
+
+
+def test_a_stalled_rank_is_ended_and_replaced_once_the_collective_timeout_passes(tmp_path, uninterrupted):
+    kills = ["1:0:stall:5"]
+    log = _run(tmp_path / "out", 2, ";".join(kills), tmp_path / "ckpt", "--timeout", "4")
+    _check(tmp_path / "out", log, uninterrupted[2], kills)
+    assert "stalled" in log and "ending it" in log
+
+
+def test_a_hot_spare_replaces_the_dead_rank(tmp_path, uninterrupted):
+    kills = ["0:0:forward:4"]
+    log = _run(tmp_path / "out", 2, ";".join(kills), tmp_path / "ckpt", "--spares", "1")
+    _check(tmp_path / "out", log, uninterrupted[2], kills)
+    assert "(a hot spare)" in log
