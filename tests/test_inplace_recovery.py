@@ -32,9 +32,9 @@ SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_inplace.py")
 
 
 
-def _run(out, nproc, kills="", ckpt=None, *extra, restarts=6, timeout=200):
+def _run(out, nproc, kills="", ckpt=None, *extra, restarts=6, timeout=200, **env_vars):
     os.makedirs(out, exist_ok=True)
-    env = dict(os.environ, OUT=str(out), KILLS=kills, CKPT=str(ckpt) if ckpt else "", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, OUT=str(out), KILLS=kills, CKPT=str(ckpt) if ckpt else "", CUDA_VISIBLE_DEVICES="", **env_vars)
     cmd = [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", str(nproc), "--recovery", "in-place",
            "--max-restarts", str(restarts), *extra, SCRIPT]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(out), env=env)
@@ -125,3 +125,15 @@ def test_a_hot_spare_replaces_the_dead_rank(tmp_path, uninterrupted):
     log = _run(tmp_path / "out", 2, ";".join(kills), tmp_path / "ckpt", "--spares", "1")
     _check(tmp_path / "out", log, uninterrupted[2], kills)
     assert "(a hot spare)" in log
+
+
+def test_a_trainer_that_cannot_recover_in_place_falls_back_to_restarting_the_job(tmp_path, uninterrupted):
+    # torch's DDP cannot follow a re-formed group: the job says so once and restarts whole on a
+    # failure, resuming from the newest checkpoint (torch's DDP and ours agree bit for bit on 2 ranks).
+    log = _run(tmp_path / "out", 2, "1:0:forward:5", tmp_path / "ckpt", STRATEGY="torch-ddp")
+    assert log.count("--recovery in-place is not available to this job: strategy 'torch-ddp'") == 1, log
+    assert "restarting all ranks" in log and "recovered in place" not in log
+    finals = _finals(tmp_path / "out")
+    for rank, ref in uninterrupted[2].items():
+        assert _same(finals[rank]["state"], ref["state"])
+    assert len(glob.glob(str(tmp_path / "out" / "start-rank0-pid*.json"))) == 2  # rank 0 was restarted too

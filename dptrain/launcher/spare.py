@@ -17,8 +17,9 @@ The spare makes ``env`` its environment (``os.environ``, replaced whole), ``argv
 needs it) ends the spare with code 0.
 
 [Note: what a spare imports ahead]
-torch, ``torch.distributed`` and the Trainer (``dptrain.train``, which brings ``dptrain``,
-``env``, ``comm``, the DDP wrapper and the sampler): what every dptrain rank imports. It cannot
+torch, ``torch.distributed``, the Trainer (``dptrain.train``, which brings ``dptrain``,
+``env``, ``comm`` and the sampler), the DDP wrapper and ``torch._dynamo``, which its forward
+needs (its import alone is most of a second): what every dptrain rank imports. It cannot
 do more before it knows which rank it becomes: no CUDA context (the device is the rank's local
 rank, and a context made on the wrong GPU holds its memory there), no store connection, no
 process group. A variable torch reads as it is imported (``OMP_NUM_THREADS``) is the same in
@@ -54,6 +55,9 @@ def _warm_up() -> None:
         import torch.distributed  # noqa: F401
 
         import dptrain.train  # noqa: F401
+        import dptrain.train.trainer  # noqa: F401
+        import dptrain.parallel.ddp  # noqa: F401
+        import torch._dynamo  # noqa: F401 - DDP's forward needs it: 0.8 s of a 2-core machine's time
     except Exception:  # noqa: BLE001 - the script meets the same error under its rank's name
         pass
 
@@ -89,13 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     path0 = args[0] if args else os.getcwd()
     if sys.path:
         sys.path[0] = path0  # what the rank's own sys.path[0] is (see the module's docstring)
-    _warm_up()
+    import threading
+
+    warming = threading.Thread(target=_warm_up_idle, name="dptrain-spare-warm-up", daemon=True)
+    warming.start()
     try:
         task = _read_task()
     except (OSError, ValueError):  # the launcher's end is gone or wrote no assignment
         return 0
     if task is None:
         return 0
+    warming.join()  # the job waits now, so the imports have the machine (and finish fast if not done)
     _become(task, path0)
     try:
         if task.get("module"):
@@ -111,6 +119,22 @@ def main(argv: list[str] | None = None) -> int:
         sys.excepthook(etype, exc.with_traceback(tb), tb)  # it prints the exception's own traceback
         return 1
     return 0
+
+
+def _warm_up_idle() -> None:
+    """:func:`_warm_up` at the idle scheduling class, on a thread of its own.
+
+    A spare imports while the job trains, and on a machine whose cores the ranks use (CPU
+    training) its second of imports would be taken from them: SCHED_IDLE gives it only the
+    time nobody else wants. The class is the thread's own (Linux schedules threads), so the
+    script later runs on the main thread at the normal class -- which an unprivileged
+    process could not return to.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+    except (AttributeError, OSError):  # not Linux: imports at the normal class
+        pass
+    _warm_up()
 
 
 # --------------------------------------------------------------------- the launcher's side --

@@ -39,7 +39,6 @@ launcher restarts the whole job from its newest checkpoint instead.
 from __future__ import annotations
 
 import contextlib
-import gc
 import glob
 import os
 import sys
@@ -218,7 +217,7 @@ class InPlaceRecovery:
             env._STATE.store.set(f"recovery/capable/{trainer.rank}", "1")
             if self.seq < 0:
                 self.commit(trainer.state.batch_in_epoch, prepared=False)
-        elif trainer.rank == 0:
+        elif trainer.rank == 0 and not trainer.world.restart_count:  # once for the job, not per restart
             print(f"dptrain: --recovery in-place is not available to this job: {self.why_not}; a failure "
                   f"restarts the whole job from its newest checkpoint instead", file=sys.stderr, flush=True)
 
@@ -291,7 +290,8 @@ class InPlaceRecovery:
         if model.reducer is not None:
             model.reducer.close()  # its hooks go; its works in flight (which hold the group) are dropped
         model.reducer, model._shm, model.process_group = None, None, None
-        gc.collect()  # frames and works in reference cycles hold the group too
+        # What else still holds the group (a work in a reference cycle) no longer matters to the
+        # peers: its connections are shut down before it is destroyed (see dptrain._regroup).
 
     def _drop_step(self) -> None:
         """Forget the step in flight: its gradients (some perhaps half-reduced) and a half-done unscale."""
@@ -414,13 +414,14 @@ class InPlaceRecovery:
         size = sum(v.numel() * v.element_size() for v in shared["model"].values())
         who = f"rank {said.get('rank', '?')}" + (f" (pid {said['pid']})" if said.get("pid") else "")
         why = said.get("why", "failed")
-        spare = " a hot spare" if said.get("spare") else ""
+        joined = ", ".join(f"rank {r}" for r in new) or "no new rank"
+        how = "a hot spare" if said.get("spare") else "a new process"
         print(
             f"dptrain: recovered in place (generation {generation}): {who} {why}, at step {progress['global_step']} "
             f"(epoch {progress['epoch'] + 1}, batch {progress['batch_in_epoch']}); the survivors waited {waited}; "
-            f"rank(s) {new} ({'new process' if not spare else spare}) got the model, optimizer and progress from rank "
-            f"{source} over the process group ({size / 2**20:.2f} MiB of weights in {transfer_s:.3f} s), their RNG "
-            f"streams and buffers from their rank's step snapshot; no checkpoint was read",
+            f"{joined} ({how}) got the weights, optimizer and progress from rank {source} over the process group "
+            f"({size / 2**20:.2f} MiB of weights in {transfer_s:.3f} s) and its RNG streams and buffers from its "
+            f"rank's step snapshot; no checkpoint was read",
             file=sys.stderr, flush=True,
         )
 

@@ -8,6 +8,7 @@ Environment:
           where = forward | all_reduce | optimizer | checkpoint | eval | stall  at optimizer step ``at``
           (for eval: the epoch, counted from 1; stall: stops itself with SIGSTOP instead of dying)
   EPOCHS  epochs (default 2)
+  STRATEGY the Trainer's strategy (default: its own choice, "ddp")
 """
 
 import io
@@ -112,16 +113,17 @@ def main() -> None:
     dev = torch.utils.data.TensorDataset(torch.randn(30, 8, generator=g), torch.randint(0, 3, (30,), generator=g))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     config = TrainerConfig(checkpoint_dir=CKPT, save_every_steps=2 if CKPT else 0, keep_last=0, verbose=False,
+                           strategy=os.environ.get("STRATEGY") or None,
                            ddp_kwargs={"bucket_cap_mb": 0.001})  # several buckets: a kill can land between them
     trainer = Trainer(model, opt, prepare_dataloader(torch.utils.data.TensorDataset(x, y), 4, seed=3),
                       nn.CrossEntropyLoss(), config, dev_data=prepare_dataloader(dev, 8, mode="eval"),
                       scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
     for spec in filter(None, os.environ.get("KILLS", "").split(";")):
         rank, gen, where, at = spec.split(":")
-        if int(rank) == world.rank and int(gen) == GEN:
+        if int(rank) == world.rank and int(gen) == GEN and (GEN or not world.restart_count):  # not after a restart
             arm(trainer, where, int(at))
     summary = trainer.fit(int(os.environ.get("EPOCHS", "2")))
-    state = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}  # buffers too
     torch.save({"state": state, "pid": os.getpid(), "gen": GEN, "step": summary["global_step"],
                 "history": [{k: v for k, v in h.items() if k not in ("time_s", "samples_per_s")}
                             for h in summary["history"]]},
