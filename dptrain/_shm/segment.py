@@ -80,7 +80,7 @@ SEGMENT_PREFIX = "dptrain-"
 _SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: chunk and buffer alignment (a cache line)
 _PAGE = 4096
-_WAIT_SLICE_S = 0.1  # longest sleep between deadline / liveness checks
+_WAIT_SLICE_S = 0.02  # longest sleep between deadline / liveness checks (in-place recovery waits on it)
 _SPIN_READS = 32  # counter reads before sleeping in the kernel
 
 # ---------------------------------------------------------------------------------- futex

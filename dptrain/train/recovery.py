@@ -78,7 +78,18 @@ def _unsupported(trainer: Any) -> str | None:
         return "an optimizer stepped inside backward (overlap_optimizer) cannot be rolled back"
     if not hasattr(trainer.model, "_rejoin"):
         return f"the model is wrapped as {type(trainer.model).__name__}, not dptrain.DistributedDataParallel"
-    return None
+    from dptrain.parallel.ddp import _recovery
+
+    return _recovery.obstacle(trainer.model)  # PowerSGD, a process group of its own, ... (None: it can)
+
+
+def _layout(model: Any) -> dict | None:
+    """DDP's reducer as it stands, or None while it cannot be carried over (compression="auto" still
+    measuring): a recovery then falls back to a restart."""
+    try:
+        return model._recovery_layout()
+    except NotImplementedError:
+        return None
 
 
 def _is_peer_failure(exc: BaseException) -> bool:
@@ -194,7 +205,7 @@ class InPlaceRecovery:
             snap["seq"] = self.seq + 1
             self._write(snap)
         self.seq, self.snapshot, self.prepared = snap["seq"], snap, None
-        self.layout = trainer.model._recovery_layout()  # DDP's buckets as this commit left them
+        self.layout = _layout(trainer.model)  # DDP's buckets as this commit left them
         pending = trainer.state._pending_loader_state  # a resumed position not yet given to the loader
         self.loader_state = pending if pending is not None else trainer._parts.parts["train_loader"].state_dict()
         self.pending_save = False
@@ -364,6 +375,8 @@ class InPlaceRecovery:
         started = time.perf_counter()
         shared = comm.broadcast_object(self._shared_state() if t.rank == source else None, src=source)
         transfer_s = time.perf_counter() - started
+        if shared["ddp_layout"] is None:
+            self._fall_back(f"rank {source}'s DDP cannot be carried over yet (compression='auto' is still measuring)")
         t.model._rejoin(shared["ddp_layout"])
         self._restore(shared, mine, source)
         self.recoveries += 1
