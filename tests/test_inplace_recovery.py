@@ -82,10 +82,12 @@ def _check(out, log, reference, kills, ckpt=None):
         assert len(starts) == 1 + len(killed), (rank, starts, killed)
         pids = {json.load(open(p))["pid"] for p in starts}
         assert finals[rank]["pid"] in pids and finals[rank]["pid"] not in {m["pid"] for m in killed}
+    # One line per recovery (a dead rank's last lines repeat earlier ones); a replacement that dies
+    # while it joins makes its recovery start over, in one line with the next.
     said = [line for line in log.splitlines() if line.startswith("[rank") and "dptrain: recovered in place" in line]
-    assert len(said) == len(kills), log  # one line per recovery (a dead rank's last lines repeat earlier ones)
+    assert len(said) == len([k for k in kills if ":init:" not in k]), log
     for m in landed:
-        assert f"rank {m['rank']} (pid {m['pid']})" in log
+        assert f"pid {m['pid']}" in log
     assert "restarting all ranks" not in log
     # No checkpoint file was read by any process: the state came over the process group.
     assert glob.glob(os.path.join(out, "reads-*")) == []
@@ -106,8 +108,10 @@ def test_a_rank_killed_at_each_moment_recovers_in_place_bitwise_on_two_ranks(tmp
     assert not [n for n in os.listdir(tmp_path / "ckpt") if ".tmp" in n and "ckpt-e0000-s000000010" not in n]
 
 
-def test_three_ranks_without_checkpoints_recover_in_place_bitwise(tmp_path, uninterrupted):
-    kills = ["2:0:all_reduce:3", "0:0:forward:5", "1:0:optimizer:9", "2:1:eval:2"]
+def test_three_ranks_without_checkpoints_recover_in_place_bitwise_also_when_a_replacement_dies_joining(
+        tmp_path, uninterrupted):
+    # Rank 2's first replacement dies while it joins (generation 1), its second one (2) dies in an evaluation.
+    kills = ["2:0:all_reduce:3", "2:1:init:0", "0:0:forward:5", "1:0:optimizer:9", "2:2:eval:2"]
     log = _run(tmp_path / "out", 3, ";".join(kills))
     _check(tmp_path / "out", log, uninterrupted[3], kills)
     assert "no checkpoint was read" in log

@@ -6,9 +6,12 @@ Environment:
   KILLS   ';'-separated kills "rank:generation:where:at": the process of that rank started for that
           generation (0: the job's own ranks; g: the replacement of generation g) SIGKILLs itself
           where = forward | all_reduce | optimizer | checkpoint | eval | stall  at optimizer step ``at``
-          (for eval: the epoch, counted from 1; stall: stops itself with SIGSTOP instead of dying)
+          (for eval: the epoch, counted from 1; stall: stops itself with SIGSTOP instead of dying),
+          or init: right after dptrain.init() (a replacement that dies while it joins)
   EPOCHS  epochs (default 2)
   STRATEGY the Trainer's strategy (default: its own choice, "ddp")
+  ACCUM, AMP, CLIP  gradient accumulation steps; bf16 autocast; clipping at norm 1 (default: none of them)
+  WORKERS  the train loader's worker processes (default 0)
 """
 
 import io
@@ -104,6 +107,12 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # a test that times out can ask where a rank is
     world = dptrain.init()
     note(f"start-rank{world.rank}-pid{os.getpid()}.json", rank=world.rank, pid=os.getpid(), gen=GEN)
+    for spec in filter(None, os.environ.get("KILLS", "").split(";")):
+        rank, gen, where, _ = spec.split(":")
+        if where == "init" and int(rank) == world.rank and int(gen) == GEN:  # a replacement dies while it joins
+            note(f"killed-rank{world.rank}-gen{GEN}.json", rank=world.rank, gen=GEN, where=where, pid=os.getpid(),
+                 step=-1, stack=[])
+            os.kill(os.getpid(), signal.SIGKILL)
     watch_reads(world.rank)
     dptrain.seed_everything(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 16),
@@ -114,13 +123,16 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     config = TrainerConfig(checkpoint_dir=CKPT, save_every_steps=2 if CKPT else 0, keep_last=0, verbose=False,
                            strategy=os.environ.get("STRATEGY") or None,
+                           gradient_accumulation_steps=int(os.environ.get("ACCUM") or 1),
+                           amp=bool(os.environ.get("AMP")), amp_dtype="bfloat16", max_grad_norm=1.0 if os.environ.get("CLIP") else None,
                            ddp_kwargs={"bucket_cap_mb": 0.001})  # several buckets: a kill can land between them
-    trainer = Trainer(model, opt, prepare_dataloader(torch.utils.data.TensorDataset(x, y), 4, seed=3),
+    trainer = Trainer(model, opt, prepare_dataloader(torch.utils.data.TensorDataset(x, y), 4, seed=3,
+                                                        num_workers=int(os.environ.get("WORKERS") or 0)),
                       nn.CrossEntropyLoss(), config, dev_data=prepare_dataloader(dev, 8, mode="eval"),
                       scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
     for spec in filter(None, os.environ.get("KILLS", "").split(";")):
         rank, gen, where, at = spec.split(":")
-        if int(rank) == world.rank and int(gen) == GEN and (GEN or not world.restart_count):  # not after a restart
+        if where != "init" and int(rank) == world.rank and int(gen) == GEN and (GEN or not world.restart_count):
             arm(trainer, where, int(at))
     summary = trainer.fit(int(os.environ.get("EPOCHS", "2")))
     state = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}  # buffers too
