@@ -322,6 +322,15 @@ def _reform(generation: int) -> int:
         release()
     _regroup.cut_connections()  # see [Note: cutting a broken group's connections]
     if dist.is_initialized():
+        if _STATE.backend == "nccl":
+            # A communicator with a dead peer can hang its destruction: abort it first (gloo needs
+            # no abort once its connections are cut). Not run here: no GPU in this project's CI.
+            abort = getattr(dist.group.WORLD, "abort", None)
+            if abort is not None:
+                try:
+                    abort()
+                except RuntimeError:
+                    pass
         _exit.settle_before_destroy()
         dist.destroy_process_group()
     g = _regroup.form(_STATE.base_store, _STATE.store, _STATE.world, _STATE.backend, _STATE.timeout, generation)
