@@ -54,6 +54,7 @@ _EXPORTS = {
     "seed_everything": "dptrain.seeding",
     "Trainer": "dptrain.train",
     "TrainerConfig": "dptrain.train",
+    "RecoverableLoop": "dptrain.train",
     # The function; its module is dptrain.launcher.spawn (no dptrain/spawn.py module would
     # rebind this attribute when imported).
     "spawn": "dptrain.launcher.spawn",
@@ -94,4 +95,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from dptrain.parallel.fsdp import FSDP, FullyShardedDataParallel
     from dptrain.parallel.zero import ZeroRedundancyOptimizer
     from dptrain.seeding import seed_everything
-    from dptrain.train import Trainer, TrainerConfig
+    from dptrain.train import RecoverableLoop, Trainer, TrainerConfig

@@ -45,8 +45,9 @@ _POLL_S = 0.01  # a store check is ~0.1 ms: polling this often costs nothing and
 # wait for the peer at the next generation's rendezvous. So the sockets the group opened are
 # noted when it is created (the process's socket descriptors before and after), and shut down
 # (not closed: gloo still owns the descriptors; its listening socket is left alone) before the
-# group is destroyed; both sides' collectives then fail at once. A descriptor is shut down only while it still refers to the
-# very socket noted (its inode), so a number reused since is never touched. Linux only (/proc).
+# group is destroyed; both sides' collectives then fail at once. A descriptor is shut down only
+# while it still refers to the very socket noted (its inode), so a number reused since is never
+# touched. Linux only (/proc).
 _group_sockets: dict[int, str] = {}
 
 

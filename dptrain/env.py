@@ -298,7 +298,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
             _warn_once_main(open_store)
         _diagnostics.configure(_STATE.store, td)  # what the guarded collectives need to explain a failure
         if _STATE.generation:
-            _diagnostics.new_generation(_STATE.generation)  # a replacement: collectives counted as the survivors count them
+            _diagnostics.new_generation(_STATE.generation)  # a replacement counts collectives as the survivors do
         _heartbeat.start(_STATE.store, world.rank)
         # A script that never calls shutdown() must still exit cleanly: a heartbeat thread or
         # process group torn down by the interpreter's exit aborts the process instead.

@@ -29,14 +29,16 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_inplace.py")
+LOOP = os.path.join(ROOT, "tests", "scripts", "loop_inplace.py")
 
 
 
-def _run(out, nproc, kills="", ckpt=None, *extra, restarts=6, timeout=200, **env_vars):
+def _run(out, nproc, kills="", ckpt=None, *extra, restarts=6, timeout=200, script=SCRIPT, **env_vars):
     os.makedirs(out, exist_ok=True)
-    env = dict(os.environ, OUT=str(out), KILLS=kills, CKPT=str(ckpt) if ckpt else "", CUDA_VISIBLE_DEVICES="", **env_vars)
+    env = dict(os.environ, OUT=str(out), KILLS=kills, CKPT=str(ckpt) if ckpt else "", CUDA_VISIBLE_DEVICES="",
+               **env_vars)
     cmd = [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", str(nproc), "--recovery", "in-place",
-           "--max-restarts", str(restarts), *extra, SCRIPT]
+           "--max-restarts", str(restarts), *extra, script]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(out), env=env)
     assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
     return done.stdout + done.stderr
@@ -141,3 +143,11 @@ def test_a_trainer_that_cannot_recover_in_place_falls_back_to_restarting_the_job
     for rank, ref in uninterrupted[2].items():
         assert _same(finals[rank]["state"], ref["state"])
     assert len(glob.glob(str(tmp_path / "out" / "start-rank0-pid*.json"))) == 2  # rank 0 was restarted too
+
+
+def test_a_plain_loop_with_recoverable_loop_recovers_in_place_bitwise(tmp_path):
+    # tests/scripts/loop_inplace.py: its own loop over dptrain.RecoverableLoop's epochs(), batches() and step().
+    _run(tmp_path / "whole", 2, script=LOOP)
+    kills = ["1:0:forward:5", "1:1:all_reduce:9", "0:0:optimizer:14"]
+    log = _run(tmp_path / "out", 2, ";".join(kills), script=LOOP)
+    _check(tmp_path / "out", log, _finals(tmp_path / "whole"), kills)

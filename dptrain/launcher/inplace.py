@@ -197,9 +197,9 @@ class InPlaceRecovery:
         if store.check([recovery_key(attempt, f"capable/{r}") for r in range(world)]):
             return None
         missing = [r for r in range(world) if not store.check([recovery_key(attempt, f"capable/{r}")])]
-        return "capable", (f"in-place recovery needs every rank to train with dptrain.Trainer on dptrain's DDP "
-                           f"(rank(s) {ranks_text(missing)} did not say they can; a Trainer that cannot says why when "
-                           f"it starts); restarting all ranks instead")
+        return "capable", (f"in-place recovery needs every rank to train with dptrain.Trainer or "
+                           f"dptrain.RecoverableLoop on dptrain's DDP (rank(s) {ranks_text(missing)} did not say they "
+                           f"can; a Trainer that cannot says why when it starts); restarting all ranks instead")
 
     def _replace(self, watch: Watch, attempt: int, failed: RankProcess, why: str, noticed: float) -> bool:
         """Start a replacement for ``failed``; False when in-place recovery cannot (see ``why_not``)."""

@@ -15,12 +15,14 @@
 from dptrain.train.callbacks import Callback, EarlyStopping, NonFiniteError, NonFiniteGuard, StepInfo
 from dptrain.train.checkpointer import Checkpointer
 from dptrain.train.config import TrainerConfig
+from dptrain.train.loop import RecoverableLoop
 from dptrain.train.state import TrainState
 from dptrain.train.strategy import Strategy
 from dptrain.train.trainer import Trainer
 
 __all__ = [
     "Trainer",
+    "RecoverableLoop",
     "TrainerConfig",
     "TrainState",
     "Checkpointer",

@@ -150,7 +150,8 @@ class InPlaceRecovery:
     # -- commits -------------------------------------------------------------------------
     def _own_state(self, loss_sum: torch.Tensor, count: int) -> _Snapshot:
         model = self.trainer.model
-        return _Snapshot(rng=self.trainer.state.rng_state(), loss_sum=loss_sum.detach().cpu().clone(), sample_count=int(count),
+        return _Snapshot(rng=self.trainer.state.rng_state(), loss_sum=loss_sum.detach().cpu().clone(),
+                         sample_count=int(count),
                          buffers={k: v.detach().cpu().clone() for k, v in model.named_buffers()})
 
     def _write(self, snap: _Snapshot) -> None:

@@ -232,9 +232,9 @@ def test_ranks_that_did_not_say_they_can_recover_get_a_restart_of_all_said_once(
     plan = {"incapable": [1], "die_attempts": [0, 1]}
     out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "2", fake, json.dumps(plan))
     assert out.returncode == 0, out.stderr
-    why = ("dptrain run: in-place recovery needs every rank to train with dptrain.Trainer on dptrain's DDP "
-           "(rank(s) 1 did not say they can; a Trainer that cannot says why when it starts); restarting all ranks "
-           "instead")
+    why = ("dptrain run: in-place recovery needs every rank to train with dptrain.Trainer or dptrain.RecoverableLoop "
+           "on dptrain's DDP (rank(s) 1 did not say they can; a Trainer that cannot says why when it starts); "
+           "restarting all ranks instead")
     assert out.stderr.count(why) == 1, out.stderr
     assert "restarting all ranks (restart 1 of 2)" in out.stderr and "restarting all ranks (restart 2 of 2)" in out.stderr
     assert "in-place recovery: replacement" not in out.stderr

@@ -124,7 +124,8 @@ def main() -> None:
     config = TrainerConfig(checkpoint_dir=CKPT, save_every_steps=2 if CKPT else 0, keep_last=0, verbose=False,
                            strategy=os.environ.get("STRATEGY") or None,
                            gradient_accumulation_steps=int(os.environ.get("ACCUM") or 1),
-                           amp=bool(os.environ.get("AMP")), amp_dtype="bfloat16", max_grad_norm=1.0 if os.environ.get("CLIP") else None,
+                           amp=bool(os.environ.get("AMP")), amp_dtype="bfloat16",
+                           max_grad_norm=1.0 if os.environ.get("CLIP") else None,
                            ddp_kwargs={"bucket_cap_mb": 0.001})  # several buckets: a kill can land between them
     trainer = Trainer(model, opt, prepare_dataloader(torch.utils.data.TensorDataset(x, y), 4, seed=3,
                                                         num_workers=int(os.environ.get("WORKERS") or 0)),

@@ -84,9 +84,20 @@ def joining_job() -> Iterator[None]:
             _joining -= 1
 
 
+_rejoined = False  # this process has been through _rejoin (a replacement is a member from then on)
+
+
 def is_joining() -> bool:
-    """Whether a :func:`joining_job` block is open (DDP construction does no collective then)."""
-    return _joining > 0
+    """Whether DDP construction does no collective now: a :func:`joining_job` block is open, or this
+    process replaces a dead rank (``dptrain run --recovery in-place`` started it for a generation) and
+    has not rejoined yet -- a plain loop builds its DDP before anything of dptrain's can open the block."""
+    if _joining > 0:
+        return True
+    if _rejoined:
+        return False
+    from dptrain import _settings
+
+    return _settings.get("DPTRAIN_RECOVERY") == "in-place" and bool(_settings.get("DPTRAIN_GENERATION"))
 
 
 def obstacle(ddp: Any, layout: dict | None = None, describing: bool = False) -> str | None:
@@ -240,6 +251,8 @@ def adopt_reducer_layout(reducer: Any, layout: dict) -> None:
 
 def rejoin(ddp: Any, layout: dict | None, verify: bool) -> None:
     """``ddp._rejoin(layout)``: see there and [Note: rejoining a re-formed group]."""
+    global _rejoined
+    _rejoined = True
     if layout is not None and layout.get("version") != LAYOUT_VERSION:
         raise ValueError(f"DDP recovery layout of version {layout.get('version')!r}; this dptrain reads version "
                          f"{LAYOUT_VERSION} (every rank must run the same dptrain)")
