@@ -149,6 +149,8 @@ def _who_is_missing(world_size: int, beats: dict[int, dict]) -> str:
         b = beats.get(r)
         if b is None:
             lines.append(f"rank {r} never sent a heartbeat")
+        elif b.get("failed") and b["seq"] >= mine:
+            continue  # it was in this collective too, and its own wait failed first: a victim, not missing
         elif b["seq"] < mine or not b["op"]:
             lines.append(f"rank {r} did not arrive (last seen {now - b['t']:.0f}s ago {_heartbeat.where(b)})")
     return "; ".join(lines)
