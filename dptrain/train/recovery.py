@@ -125,7 +125,8 @@ def _forget(exc: BaseException) -> None:
 
 class _Snapshot(dict):
     """One rank's part of a commit: ``seq`` (the commit's number), ``rng``, ``loss_sum``, ``sample_count``,
-    ``buffers`` (plain CPU tensors: small, and loadable with ``weights_only=True``)."""
+    ``buffers`` (plain CPU tensors: small, and loadable with ``weights_only=True``): the entry a checkpoint keeps
+    per rank (``_parts._PerRank``), plus its number."""
 
 
 class InPlaceRecovery:
@@ -177,7 +178,10 @@ class InPlaceRecovery:
         for loss, n in pending:
             total += loss.detach().to(torch.float64) * n
             count += n
-        snap = self._own_state(total, count)
+        self._prepare(total, count)
+
+    def _prepare(self, loss_sum: torch.Tensor, count: int) -> None:
+        snap = self._own_state(loss_sum, count)
         snap["seq"] = self.seq + 1
         self.prepared = snap
         self._write(snap)
@@ -185,12 +189,8 @@ class InPlaceRecovery:
     def prepare_epoch_end(self) -> None:
         """Once the epoch's end has made the buffers final (rank 0's, before the dev evaluation):
         this rank's part of the commit after the epoch (its running sums start again from 0)."""
-        if not self.active:
-            return
-        snap = self._own_state(torch.zeros((), dtype=torch.float64), 0)
-        snap["seq"] = self.seq + 1
-        self.prepared = snap
-        self._write(snap)
+        if self.active:
+            self._prepare(torch.zeros((), dtype=torch.float64), 0)
 
     def commit(self, batch: int, prepared: bool) -> None:
         """Right after an optimizer step or an epoch's end (``batch`` 0); ``prepared``: this rank's part
@@ -199,12 +199,9 @@ class InPlaceRecovery:
             return
         trainer = self.trainer
         trainer.state.batch_in_epoch = batch
-        snap = self.prepared if prepared and self.prepared is not None else None
-        if snap is None:
-            state = trainer.state
-            snap = self._own_state(state.loss_sum, state.sample_count)
-            snap["seq"] = self.seq + 1
-            self._write(snap)
+        if not prepared or self.prepared is None:
+            self._prepare(trainer.state.loss_sum, trainer.state.sample_count)
+        snap = self.prepared
         self.seq, self.snapshot, self.prepared = snap["seq"], snap, None
         self.layout = _layout(trainer.model)  # DDP's buckets as this commit left them
         pending = trainer.state._pending_loader_state  # a resumed position not yet given to the loader
@@ -252,10 +249,25 @@ class InPlaceRecovery:
             generation = _regroup.wait_for_generation(env._STATE.store, env._STATE.generation, timeout)
         except TimeoutError:
             raise exc from None
+        self._recover_at(generation, failed_at, reform=True)
+
+    def join(self) -> None:
+        """A replacement's side, at the end of the Trainer's construction: get the state from a live peer."""
+        from dptrain import env
+
+        self._recover_at(env._STATE.generation, None, reform=False)  # init() formed the group already
+
+    def _recover_at(self, generation: int, failed_at: float | None, reform: bool) -> None:
+        """Form ``generation``'s group (unless formed) and restore from it; when a member dies during
+        that, start over at the next generation the launcher announces."""
+        from dptrain import env
+
+        timeout = env._STATE.timeout.total_seconds()
         while True:
             try:
-                self._let_go()
-                generation = env._reform(generation)
+                if reform:
+                    self._let_go()
+                    generation = env._reform(generation)
                 self._exchange_and_restore(generation, failed_at)
                 return
             except Exception as again:  # noqa: BLE001 - a member died during the recovery itself
@@ -267,24 +279,7 @@ class InPlaceRecovery:
                     generation = _regroup.wait_for_generation(env._STATE.store, env._STATE.generation, timeout)
                 except TimeoutError:
                     raise again from None
-
-    def join(self) -> None:
-        """A replacement's side, at the end of the Trainer's construction: get the state from a live peer."""
-        from dptrain import env
-
-        generation = env._STATE.generation
-        timeout = env._STATE.timeout.total_seconds()
-        while True:
-            try:
-                self._exchange_and_restore(generation, None)
-                return
-            except Exception as again:  # noqa: BLE001 - another member died meanwhile
-                if not _is_peer_failure(again):
-                    raise
-                _forget(again)
-                generation = _regroup.wait_for_generation(env._STATE.store, env._STATE.generation, timeout)
-                self._let_go()
-                generation = env._reform(generation)
+                reform = True
 
     def _let_go(self) -> None:
         """Drop every reference to the broken process group before it is destroyed.
@@ -401,15 +396,11 @@ class InPlaceRecovery:
         t.state.load_state_dict(shared["train_state"])
         t.state.set_loader_position(shared["loader"])
         t.checkpointer._ours = set(shared["checkpoints"])
-        # This rank's own part of the commit: RNG (applied where begin_epoch applies a resumed one), sums, buffers.
-        t.state._pending_rng = mine["rng"]
-        t.state.loss_sum = mine["loss_sum"].to(device=t.device, dtype=torch.float64).clone()
-        t.state.sample_count = int(mine["sample_count"])
-        buffers = dict(t.model.named_buffers())
-        with torch.no_grad():
-            for name, value in mine["buffers"].items():
-                if name in buffers:
-                    buffers[name].copy_(value)
+        # This rank's own part of the commit, as a checkpoint's per-rank entry is restored: RNG (applied
+        # where begin_epoch applies a resumed one), running sums, buffers.
+        per_rank: list = [None] * t.world.world_size
+        per_rank[t.rank] = mine
+        t._parts.parts["per_rank"].load_state_dict(per_rank)
         self.seq, self.snapshot, self.prepared = shared["seq"], mine, None
         self.loader_state, self.layout = shared["loader"], shared["ddp_layout"]
         if t.state.global_step > 0:
