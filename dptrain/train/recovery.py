@@ -293,10 +293,7 @@ class InPlaceRecovery:
         # A shared-memory collective that a live peer will never issue (it failed elsewhere first)
         # is abandoned now instead of at the collective timeout.
         _shm.abort_all("in-place recovery re-forms the process group")
-        model = self.trainer.model
-        if model.reducer is not None:
-            model.reducer.close()  # its hooks go; its works in flight (which hold the group) are dropped
-        model.reducer, model._shm, model.process_group = None, None, None
+        self.trainer.model._leave_group()  # its reducer's works in flight hold the group too
         # What else still holds the group (a work in a reference cycle) no longer matters to the
         # peers: its connections are shut down before it is destroyed (see dptrain._regroup).
 

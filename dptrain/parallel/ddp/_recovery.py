@@ -47,8 +47,8 @@ from dptrain.parallel.ddp._compression import _use as use_compression
 from dptrain.parallel.ddp._powersgd import PowerSGDState
 from dptrain.parallel.ddp._signature import torch_ddp
 
-__all__ = ["joining_job", "is_joining", "obstacle", "layout_of", "rejoin", "reducer_layout", "check_reducer_layout",
-           "adopt_reducer_layout", "LAYOUT_VERSION"]
+__all__ = ["joining_job", "is_joining", "obstacle", "layout_of", "leave_group", "rejoin", "reducer_layout",
+           "check_reducer_layout", "adopt_reducer_layout", "LAYOUT_VERSION"]
 
 LAYOUT_VERSION = 1
 
@@ -249,6 +249,25 @@ def adopt_reducer_layout(reducer: Any, layout: dict) -> None:
     reducer._armed_state, reducer._in_flight = None, False
 
 
+def leave_group(ddp: Any) -> None:
+    """``ddp._leave_group()``: drop every reference to the process group -- the reducer (its hooks go,
+    its works in flight are abandoned), the shared-memory group (aborted: its peers may be dead or
+    elsewhere, and closing would wait for the collectives in flight) and the group itself -- and undo
+    what a forward that never reached its end left behind. A user's communication hook is kept for
+    :func:`rejoin`. Idempotent."""
+    old = ddp.reducer
+    if old is not None:
+        if _user_hook(ddp, old):
+            ddp.__dict__["_kept_comm_hook"] = (old.comm_hook, old.comm_hook_state)
+        old.close()
+    ddp.reducer = None
+    _forget_forward(ddp)
+    if ddp._shm is not None:
+        ddp._shm.abort("DistributedDataParallel: the process group was re-formed")
+        ddp._shm = None
+    ddp.process_group = None
+
+
 def rejoin(ddp: Any, layout: dict | None, verify: bool) -> None:
     """``ddp._rejoin(layout)``: see there and [Note: rejoining a re-formed group]."""
     global _rejoined
@@ -264,18 +283,8 @@ def rejoin(ddp: Any, layout: dict | None, verify: bool) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("DistributedDataParallel._rejoin: no process group; create the new one first "
                            "(init_process_group), then call _rejoin on every rank")
-    old = ddp.reducer
-    hook = None
-    if old is not None:
-        if _user_hook(ddp, old):
-            hook = (old.comm_hook, old.comm_hook_state)
-        old.close()
-    ddp.reducer = None
-    _forget_forward(ddp)
-    if ddp._shm is not None:
-        # Its peers may be dead or elsewhere: closing would wait for the collectives in flight.
-        ddp._shm.abort("DistributedDataParallel._rejoin: the process group was re-formed")
-        ddp._shm = None
+    leave_group(ddp)  # done already when the caller let go before destroying the old group
+    hook = ddp.__dict__.pop("_kept_comm_hook", None)
 
     ddp.process_group = dist.group.WORLD
     ddp._rank = dist.get_rank(ddp.process_group)

@@ -592,6 +592,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         ``compression="auto"`` still measuring, a group other than the default one, ...), or None."""
         return _recovery.obstacle(self, describing=True)
 
+    def _leave_group(self) -> None:
+        """Let go of the process group before it is destroyed (in-place recovery; no collective).
+
+        Nothing of this DDP references the group afterwards, so destroying it closes its
+        connections at once; the reducer's backward in flight is dropped and a shared-memory
+        group aborted. :meth:`_rejoin` does it too when it was not done first.
+        """
+        _recovery.leave_group(self)
+
     def _rejoin(self, layout: dict | None = None, *, verify: bool = True) -> None:
         """Move onto the re-formed default process group; collective: every rank calls it.
 
