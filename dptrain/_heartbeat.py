@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "attempt_prefix",
     "keys_prefix",
+    "recovery_key",
     "tick",
     "enter",
     "leave",
@@ -67,6 +68,12 @@ def attempt_prefix(attempt: int) -> str:
 def keys_prefix(attempt: int) -> str:
     """Where dptrain's own keys of attempt ``attempt`` live (what the launcher reads and writes)."""
     return f"{attempt_prefix(attempt)}/{DPTRAIN_PART}"
+
+
+def recovery_key(attempt: int, name: str) -> str:
+    """``<keys_prefix(attempt)>/recovery/<name>``: what launchers and ranks say of in-place recovery
+    (see [Note: in-place recovery, the launcher's side] in ``dptrain.launcher.inplace``)."""
+    return f"{keys_prefix(attempt)}/recovery/{name}"
 
 
 def key(kind: str, rank: int) -> str:

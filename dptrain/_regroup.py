@@ -20,6 +20,7 @@ moves every member on to that one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from dptrain import _heartbeat
 
-__all__ = ["generation_key", "newest_generation", "wait_for_generation", "form", "announcement", "prefixed",
+__all__ = ["generation_key", "newest_generation", "wait_for_generation", "form", "world_at", "announcement", "prefixed",
            "recording_connections", "cut_connections"]
 
 _POLL_S = 0.01  # a store check is ~0.1 ms: polling this often costs nothing and keeps recovery prompt
@@ -142,24 +143,61 @@ def wait_for_generation(keys: Any, after: int, timeout_s: float) -> int:
         time.sleep(_POLL_S)
 
 
-def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timedelta, generation: int) -> int:
-    """Create the process group of ``generation`` (or of a newer one announced meanwhile); return it.
+def world_at(keys: Any, world: Any, since: int, generation: int) -> Any:
+    """``world`` (a :class:`dptrain.env.World` of generation ``since``) as generation ``generation``
+    has it: a resize (the job going on without a node, see [Note: a node lost for good] in
+    ``dptrain.launcher.resize``) renumbers the ranks and changes the world size. None when this
+    rank is not in the job any more (its node was left out)."""
+    for g in range(since + 1, generation + 1):
+        said = announcement(keys, g)
+        if said.get("kind") != "resize":
+            continue
+        try:
+            renumber = {int(old): int(new) for old, new in said["renumber"]}
+            sizes = [int(n["nproc"]) for n in said["nodes"]]
+            size = int(said["world_size"])
+        except (KeyError, TypeError, ValueError):
+            raise RuntimeError(f"in-place recovery: generation {g}'s entry is not what dptrain's launcher writes: "
+                               f"{str(said)[:200]}") from None
+        if world.rank not in renumber:
+            return None
+        rank = renumber[world.rank]
+        node, base = 0, 0
+        while base + sizes[node] <= rank:  # the node whose ranks include the new number
+            base += sizes[node]
+            node += 1
+        world = dataclasses.replace(world, rank=rank, world_size=size, node_rank=node)
+    return world
 
-    Every member of the job calls this with the same ``world`` numbers. See [Note: generations].
+
+def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timedelta, generation: int,
+         since: int) -> tuple[int, Any]:
+    """Create the process group of ``generation`` (or of a newer one announced meanwhile); return
+    it and this rank's world in it (see :func:`world_at`; ``world`` is that of generation ``since``).
+
+    Every member of the job calls this. See [Note: generations].
+
+    Raises:
+        RuntimeError: this rank was left out of the job by a resize.
+        TimeoutError: not every member arrived within ``timeout``.
     """
     deadline = time.monotonic() + timeout.total_seconds()
     g = newest_generation(keys, generation - 1)
     while True:
+        here = world_at(keys, world, since, g)
+        if here is None:
+            raise RuntimeError(f"rank {world.rank} is not in the job any more: its node was left out when the job "
+                               f"went on without a node (generation {g})")
         arrived = f"recovery/g{g}/arrived"
         count = int(keys.add(arrived, 1))
         newer = False
-        while count < world.world_size:
+        while count < here.world_size:
             if keys.check([generation_key(g + 1)]):
                 newer = True
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"rank {world.rank}: only {count} of {world.world_size} ranks arrived for in-place recovery "
+                    f"rank {here.rank}: only {count} of {here.world_size} ranks arrived for in-place recovery "
                     f"(generation {g}) within {timeout.total_seconds():.0f}s"
                 )
             time.sleep(_POLL_S)
@@ -167,7 +205,7 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
         if newer:
             g = newest_generation(keys, g)
             continue
-        store = prefixed(base, world.launch_attempt, f"{_heartbeat.PROCESS_GROUP_PART}/gen{g}")
+        store = prefixed(base, here.launch_attempt, f"{_heartbeat.PROCESS_GROUP_PART}/gen{g}")
         with recording_connections():
-            dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.world_size, timeout=timeout)
-        return g
+            dist.init_process_group(backend, store=store, rank=here.rank, world_size=here.world_size, timeout=timeout)
+        return g, here

@@ -200,7 +200,10 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
         base = _make_store(world, td)
         keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART)
         _STATE.base_store = base
-        _STATE.generation = _regroup.form(base, keys, world, backend, td, generation)
+        _STATE.generation, here = _regroup.form(base, keys, world, backend, td, generation, since=generation)
+        if here != world:  # a resize came between the launcher's start of this process and now
+            _set_world_environ(here)
+            _STATE.world = here  # init() takes it from here
         return keys
     def open_reader() -> dist.Store:
         reader = dist.TCPStore(world.master_addr, world.master_port, None, False,
@@ -292,6 +295,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     # reducer path as at N ranks. A plain `python script.py` makes none (nothing to join).
     if world.is_distributed or (world.source == "torchrun" and world.master_addr is not None):
         _STATE.store = _join_job(world, chosen, td)
+        world = _STATE.world or world  # a replacement renumbered by a resize while it started
         _STATE.owns_group = True
         open_store = _open_store_warning(world)
         if open_store:
@@ -333,10 +337,22 @@ def _reform(generation: int) -> int:
                     pass
         _exit.settle_before_destroy()
         dist.destroy_process_group()
-    g = _regroup.form(_STATE.base_store, _STATE.store, _STATE.world, _STATE.backend, _STATE.timeout, generation)
+    old = _STATE.world
+    g, world = _regroup.form(_STATE.base_store, _STATE.store, old, _STATE.backend, _STATE.timeout, generation,
+                             since=_STATE.generation)
     _STATE.generation = g
     _diagnostics.new_generation(g)
+    if world != old:  # the job went on without a node: this rank's number or the world size changed
+        _STATE.world = world
+        _set_world_environ(world)
+        _heartbeat.start(_STATE.store, world.rank)  # the launcher reads it by rank number
     return g
+
+
+def _set_world_environ(world: World) -> None:
+    """The launcher's variables as they are after a resize, for code that reads them (``RANK``, ...)."""
+    os.environ.update(RANK=str(world.rank), ROLE_RANK=str(world.rank), GROUP_RANK=str(world.node_rank),
+                      WORLD_SIZE=str(world.world_size), ROLE_WORLD_SIZE=str(world.world_size))
 
 
 # What layers above this one hold per process group and must let go of before the group

@@ -243,22 +243,15 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                 "pad=False (uneven shards, no repeats) and drop_last=True (cut the tail) contradict each "
                 "other; use pad=False for exact evaluation or drop_last=True for training"
             )
-        n = _dataset_len(dataset)
         self.dataset = dataset
-        self.num_replicas = num_replicas
-        self.rank = rank
+        self._place(num_replicas, rank)
         self.epoch = 0
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
         self.pad = pad
         self.count_yields = count_yields  # False: only advance() moves the position
-        if pad:
-            self.num_samples = (n // num_replicas) if drop_last else math.ceil(n / num_replicas)
-            self.total_size = self.num_samples * num_replicas
-        else:
-            self.num_samples = _shard_len(n, num_replicas, rank)
-            self.total_size = n
+        self._sizes()
         self._history: list[tuple[int, list[int]]] = []  # earlier segments of this epoch
         self._consumed = 0  # samples of the current segment handed out on this rank
         self._resume_pending = False  # the next __iter__ continues from _history/_consumed
@@ -268,6 +261,33 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self._shard_cache: tuple[Any, Shard] | None = None  # this rank's share of one segment
         self._epoch_set = False  # set_epoch was called since the last pass started
         self._warned_repeat = False  # the repeated-order warning was given (once per sampler)
+
+    def _place(self, num_replicas: int, rank: int) -> None:
+        self.num_replicas = num_replicas
+        self.rank = rank
+
+    def _sizes(self) -> None:
+        """``num_samples`` and ``total_size`` of a fresh epoch, as PyTorch's sampler has them."""
+        n = _dataset_len(self.dataset)
+        if self.pad:
+            self.num_samples = (n // self.num_replicas) if self.drop_last else math.ceil(n / self.num_replicas)
+            self.total_size = self.num_samples * self.num_replicas
+        else:
+            self.num_samples = _shard_len(n, self.num_replicas, self.rank)
+            self.total_size = n
+
+    def _move(self, num_replicas: int, rank: int) -> dict[str, Any]:
+        """In-place recovery went on without a node: this sampler now serves ``rank`` of
+        ``num_replicas``. Returns the position before the move; loading it (:meth:`load_state_dict`)
+        shares the rest of the epoch out among the new ranks (see [Note: resuming, and the rule
+        for a different world size]). The caller loads the position every rank agrees on."""
+        before = self.state_dict()
+        self._place(num_replicas, rank)
+        self._sizes()
+        self._history, self._consumed = [], 0
+        self._resume_pending, self._prepared, self._current, self._shard_cache = False, None, None, None
+        self._iteration += 1  # an iteration still running no longer counts its yields
+        return before
 
     # ---- the order --------------------------------------------------------------------
 

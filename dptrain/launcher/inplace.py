@@ -52,6 +52,7 @@ replaced, and every rank gets a whole timeout afresh after each recovery.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -61,9 +62,10 @@ import time
 from typing import Any
 
 from dptrain import _settings
-from dptrain._heartbeat import describe_exit, keys_prefix, where
+from dptrain._heartbeat import describe_exit, keys_prefix, recovery_key, where
 from dptrain._join import ranks_text
 from dptrain.launcher import store_values
+from dptrain.launcher.resize import Nodes
 from dptrain.launcher.spare import Spares
 from dptrain.launcher.watch import Watch, heartbeat
 from dptrain.launcher.workers import RankProcess, error_file, finish_output, read_error_file
@@ -79,11 +81,6 @@ WATCH_AFTER_BEATS = 3
 FRESH_BEATS = 3
 #: The settings ``dptrain run`` gives its ranks for in-place recovery (and removes otherwise).
 RANK_SETTINGS = ("DPTRAIN_RECOVERY", "DPTRAIN_RECOVERY_DIR", "DPTRAIN_GENERATION")
-
-
-def recovery_key(attempt: int, name: str) -> str:
-    """``<keys_prefix(attempt)>/recovery/<name>``: see [Note: in-place recovery, the launcher's side]."""
-    return f"{keys_prefix(attempt)}/recovery/{name}"
 
 
 def rank_settings(environ: dict[str, str], directory: str | None) -> None:
@@ -130,6 +127,7 @@ class InPlaceRecovery:
         self.watch_after_s = min(self.timeout_s / 2, WATCH_AFTER_BEATS * beat_s)
         self.fresh_s = FRESH_BEATS * beat_s + 1.0
         self.ended: dict[int, str] = {}  # pid -> why this launcher ended it (a stall)
+        self.nodes: Nodes | None = None  # the job's nodes, while an attempt of several is watched
 
     # -- set-up ------------------------------------------------------------------------------
     def started(self, base_env: dict[str, str]) -> None:
@@ -171,31 +169,70 @@ class InPlaceRecovery:
 
     # -- watching ----------------------------------------------------------------------------
     def watch(self, watch: Watch, attempt: int) -> tuple[RankProcess | None, str | None]:
-        """``watch.run()``, replacing the ranks of this node that fail while in-place recovery can."""
+        """``watch.run()``, replacing the ranks of this node that fail while in-place recovery can,
+        and across nodes going on without a node lost for good (see ``resize``)."""
         self.why_not = None
+        self.forget_progress()
+        self.nodes = Nodes(self, attempt) if self.job.config.nnodes > 1 else None
+        try:
+            while True:
+                failed, peer = watch.run(lambda running: self._tick(running, attempt))
+                if failed is None or self.job.signals.received:
+                    return failed, peer
+                why = self.ended.get(failed.proc.pid) or describe_exit(failed.poll())
+                try:
+                    replaced = self._replace(watch, attempt, failed, why, time.time())
+                except (RuntimeError, OSError):  # the store is gone (node 0 ended): the usual failure
+                    replaced = False
+                if not replaced:
+                    return failed, None
+        finally:
+            if self.nodes is not None:
+                # A resize announced as the ranks finished still counts: the exit barrier waits for its nodes only.
+                with contextlib.suppress(RuntimeError, OSError):
+                    self.nodes.catch_up()
+                self.nodes.close()
+
+    @property
+    def dropped(self) -> str | None:
+        """Why this node was left out of the job by a resize (see ``resize``), or None."""
+        return self.nodes.dropped if self.nodes is not None else None
+
+    def _tick(self, running: list[RankProcess], attempt: int) -> str | None:
+        """Once a second in the watch: nodes that left (a failure text ends the attempt), then stalled ranks."""
+        if self.nodes is not None:
+            try:
+                ended = self.nodes.tick()
+            except (RuntimeError, OSError):  # the store is gone: the watch reports node 0's end
+                ended = None
+            if ended is not None:
+                return ended
+        self._end_stalled(running, attempt)
+        return None
+
+    def forget_progress(self) -> None:
+        """Every rank gets a whole timeout afresh (after a recovery; heartbeats are read by rank number)."""
         self._since.clear()
         self._waits.clear()
-        while True:
-            failed, peer = watch.run(lambda running: self._end_stalled(running, attempt))
-            if failed is None or self.job.signals.received:
-                return failed, peer
-            why = self.ended.get(failed.proc.pid) or describe_exit(failed.poll())
-            try:
-                replaced = self._replace(watch, attempt, failed, why, time.time())
-            except (RuntimeError, OSError):  # the store is gone (node 0 ended): the usual failure
-                replaced = False
-            if not replaced:
-                return failed, None
+        self._beating.clear()
 
-    def _blocker(self, attempt: int) -> tuple[str, str] | None:
-        """Why the failure at hand cannot be recovered in place: (kind, message), or None."""
+    def _blocker(self, attempt: int, resizing: bool = False) -> tuple[str, str] | None:
+        """Why the failure at hand cannot be recovered in place (``resizing``: on another world
+        size, see ``resize``): (kind, message), or None."""
         store, warn = self.job.store, self.job.warnings
         note = store_values.read(store, recovery_key(attempt, "fallback"), store_values.fallback_note, warn)
         if note is not None:
             return "fallback", f"a rank cannot recover in place ({note}); restarting all ranks instead"
         world = self.job.layout.world_size
         if store.check([recovery_key(attempt, f"capable/{r}") for r in range(world)]):
-            return None
+            if not resizing:
+                return None
+            unable = [r for r in range(world) if not store.check([recovery_key(attempt, f"resizable/{r}")])]
+            if not unable:
+                return None
+            return "resizable", (f"rank(s) {ranks_text(unable)} cannot share an epoch out anew on fewer ranks (every "
+                                 f"loader, dev and test ones too, must use dptrain's DistributedSampler, e.g. from "
+                                 f"dptrain.prepare_dataloader, and the loop must be the Trainer's); restarting all ranks")
         missing = [r for r in range(world) if not store.check([recovery_key(attempt, f"capable/{r}")])]
         return "capable", (f"in-place recovery needs every rank to train with dptrain.Trainer or "
                            f"dptrain.RecoverableLoop on dptrain's DDP (rank(s) {ranks_text(missing)} did not say they "
@@ -214,6 +251,10 @@ class InPlaceRecovery:
         restart = before + generation
         if restart > config.max_restarts:  # another node took the last one meanwhile
             return False
+        if self.nodes is not None:  # the rank is named in the numbering of the generation before
+            self.nodes.catch_up(upto=generation, wait_s=5.0)
+            if self.nodes.dropped is not None:
+                return False
         traceback = self._bury(failed, attempt)
         spare = self.spares.take() if self.spares is not None else None
         entry = {"rank": failed.rank, "why": why, "pid": failed.proc.pid, "time": noticed, "spare": spare is not None}
@@ -226,8 +267,7 @@ class InPlaceRecovery:
         job.ranks[job.ranks.index(failed)] = new
         job.janitor.tell("group", new.proc.pid)
         watch.exits.pop(failed.rank, None)  # the rank runs again: its next exit is the replacement's
-        self._since.clear()  # every rank gets a whole timeout afresh after a recovery
-        self._waits.clear()
+        self.forget_progress()
         self.ended.pop(failed.proc.pid, None)
         job.log(f"dptrain run: rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) {why}; "
                 f"in-place recovery: replacement pid {new.proc.pid}{' (a hot spare)' if spare is not None else ''} "
@@ -249,7 +289,8 @@ class InPlaceRecovery:
         failed.send(signal.SIGKILL)
         failed.join(None)
         self.job.janitor.tell("forget", failed.proc.pid)
-        path = error_file(self.job.error_dir, attempt, failed.rank)
+        # The file named when it started: a rank renumbered since (see ``resize``) still writes there.
+        path = failed.environ.get("TORCHELASTIC_ERROR_FILE") or error_file(self.job.error_dir, attempt, failed.rank)
         traceback = read_error_file(path)
         try:
             os.remove(path)

@@ -487,6 +487,10 @@ def _run_attempts(job: _Job) -> int:
                                 lambda: peer_failure(job.store, attempt, job.warnings), job._check_signals)
         if signals.received or (failed is None and peer is None):
             break
+        if job.recovery is not None and job.recovery.dropped is not None:
+            job.log(f"dptrain run: {job.recovery.dropped}")
+            job.stop_all()
+            return 1
         code = job.report_failure(attempt, failed, peer)
         if signals.received:
             return code

@@ -86,6 +86,7 @@ class Elastic:
         self.warn = warnings or Warnings(log)
         self.token = uuid.uuid4().hex
         self.last_nodes: tuple[int, ...] | None = None
+        self.members: list[dict] = []  # the nodes of the attempt joined last, in node-rank order
 
     @property
     def coordinator(self) -> bool:
@@ -116,6 +117,7 @@ class Elastic:
         mine = [i for i, m in enumerate(members["nodes"]) if m["token"] == self.token]
         if not mine:
             return None
+        self.members = list(members["nodes"])
         index = mine[0]
         nodes = tuple(m["node"] for m in members["nodes"])
         return Membership(node_rank=index, rank_base=sum(m["nproc"] for m in members["nodes"][:index]),

@@ -200,6 +200,12 @@ class Relay:
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"dptrain-relay-{rank}-{index}")
         self._thread.start()
 
+    def renumber(self, rank: int) -> None:
+        """Show the rank's lines under its new number from now on (see ``resize``)."""
+        self._rank = rank
+        self._prefix = f"[rank{rank}] ".encode()
+        self._torch_prefix = f"[rank{rank}]:".encode()
+
     def _run(self) -> None:
         fd = self._pipe.fileno()
         poller = select.poll()  # not select(): that fails on descriptors above 1023

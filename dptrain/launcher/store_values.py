@@ -27,7 +27,7 @@ import unicodedata
 from typing import Any, Callable, TypeVar
 
 __all__ = ["Malformed", "Warnings", "clean", "read", "heartbeat", "left_note", "arrival", "members",
-           "attempt_number", "failure_text", "failure_report", "fallback_note"]
+           "attempt_number", "generation", "failure_text", "failure_report", "fallback_note"]
 
 T = TypeVar("T")
 
@@ -184,6 +184,10 @@ def members(raw: bytes) -> dict:
     obj = _json_object(raw)
     if "error" in obj:
         return {"error": clean(_text(obj, "error", MAX_TEXT))}
+    return {"nodes": _nodes(obj)}
+
+
+def _nodes(obj: dict) -> list[dict]:
     nodes = obj.get("nodes")
     if not isinstance(nodes, list) or not nodes:
         raise Malformed("no list of nodes")
@@ -191,7 +195,18 @@ def members(raw: bytes) -> dict:
     ids = [n["node"] for n in chosen]
     if len(set(ids)) != len(ids):
         raise Malformed(f"node ids {_short(ids)}, not distinct")
-    return {"nodes": chosen}
+    return chosen
+
+
+def generation(raw: bytes) -> dict:
+    """A generation of in-place recovery (``recovery/generation/<g>``): ``{"kind": "replace"}``
+    for a rank replaced by its own node's launcher (see ``inplace``), or, for the job's nodes
+    changing (see ``resize``), ``{"kind": "resize", "nodes": [arrival, ...], "why": text}`` with
+    the nodes in their new order."""
+    obj = _json_object(raw)
+    if obj.get("kind") != "resize":
+        return {"kind": "replace"}
+    return {"kind": "resize", "nodes": _nodes(obj), "why": clean(_text(obj, "why", MAX_TEXT))}
 
 
 def attempt_number(raw: bytes) -> int:
@@ -232,4 +247,4 @@ def fallback_note(raw: bytes) -> str:
 
 _KINDS = {heartbeat: "heartbeat", left_note: "note of a rank that left", arrival: "elastic arrival",
           members: "list of an attempt's nodes", attempt_number: "attempt number",
-          failure_report: "failure report", fallback_note: "in-place recovery fallback note"}
+          failure_report: "failure report", generation: "in-place recovery generation", fallback_note: "in-place recovery fallback note"}

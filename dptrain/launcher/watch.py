@@ -164,12 +164,13 @@ class Watch:
                 out[r] = {"op": "", "ddp_steps": entry["ddp_steps"], "gone": "exited with code 0"}
         return out
 
-    def run(self, check: Callable[[list[RankProcess]], None] | None = None) -> tuple[RankProcess | None, str | None]:
+    def run(self, check: Callable[[list[RankProcess]], str | None] | None = None) -> tuple[RankProcess | None, str | None]:
         """Wait until all ranks exit 0 (None, None), a local rank fails (rank, None), a peer
         node fails (None, why), or a signal arrives (None, None; see ``signals``).
 
         ``check``, when given, is called once a second with the ranks still running (in-place
-        recovery ends stalled ranks there, see ``inplace``).
+        recovery ends stalled ranks there, see ``inplace``); a text it returns ends the watch as
+        a peer failure would (a node lost for good, see ``resize``).
         """
         seen: dict[int, list] = {}
         polls = 0
@@ -202,6 +203,8 @@ class Watch:
                 else:
                     self._report_stalls(seen, running)
                 if check is not None:
-                    check(running)
+                    ended = check(running)
+                    if ended:
+                        return None, ended
             time.sleep(POLL_S)
         return None, None

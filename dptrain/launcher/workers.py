@@ -179,6 +179,12 @@ class RankProcess:
     def poll(self) -> int | None:
         return self.proc.poll()
 
+    def renumber(self, rank: int) -> None:
+        """The job went on without a node and this rank's number changed (see ``resize``)."""
+        self.rank = rank
+        for relay in self._relays:
+            relay.renumber(rank)
+
     # -- what stop_processes asks of a process --
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -123,6 +123,70 @@ def _forget(exc: BaseException) -> None:
         seen = seen.__cause__ or seen.__context__
 
 
+# [Note: going on without a node]
+# When a whole node is lost and the job is elastic (``--nnodes MIN:MAX``), no replacement comes:
+# the launcher announces a *resize* generation instead (see [Note: a node lost for good] in
+# ``dptrain.launcher.resize``) and the survivors re-form the group at the smaller size, some of
+# them under new rank numbers (``dptrain._regroup.world_at``). The recovery is the one above --
+# the most advanced survivor's commit, each rank's own snapshot -- plus a move to the new world:
+# the Trainer's rank and world, its checkpointer's, the parts of a checkpoint (which gather per
+# rank), and every loader's sampler. The train sampler then loads the commit's position, saved
+# on the old world size, and so shares the rest of the epoch out among the new ranks exactly as a
+# checkpoint resumed on another world size does: each sample not yet trained on is trained on
+# once (see [Note: resuming, and the rule for a different world size] in dptrain.data.sampler).
+# The LR schedule is re-planned as on such a resume, on every rank. Not bitwise equal to an
+# uninterrupted run (the world size changed); the dead ranks' part of the epoch's running loss
+# is lost with them, so that epoch's mean train loss covers the survivors' samples only.
+# A Trainer says it can (``recovery/resizable/<rank>``) only when every loader's share is its
+# sampler's business: dptrain's DistributedSampler (which knows how to re-split), or a loader
+# without any world-dependent sampler (every rank evaluates all of it).
+def _loaders(trainer: Any) -> list[tuple[str, Any]]:
+    return [(name, loader) for name in ("train", "dev", "test")
+            if (loader := getattr(trainer, f"{name}_loader", None)) is not None]
+
+
+def _sampler_of(loader: Any) -> Any:
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if not hasattr(sampler, "num_replicas") and hasattr(getattr(batch_sampler, "sampler", None), "num_replicas"):
+        sampler = batch_sampler.sampler
+    return sampler
+
+
+def _not_resizable(trainer: Any) -> str | None:
+    """Why this Trainer cannot go on at another world size in place, or None."""
+    from dptrain.data.sampler import DistributedSampler
+
+    if not hasattr(trainer, "train_loader"):
+        return "a plain loop (dptrain.RecoverableLoop) goes on in place at the same world size only"
+    for name, loader in _loaders(trainer):
+        sampler = _sampler_of(loader)
+        if isinstance(sampler, DistributedSampler):
+            continue
+        if hasattr(sampler, "num_replicas") or name == "train":
+            return f"the {name} loader's share is not given by dptrain's DistributedSampler"
+    return None
+
+
+def _move_to(trainer: Any, world: Any) -> None:
+    """The Trainer's side of a resize (see [Note: going on without a node]): everything that holds
+    the rank or the world size now holds ``world``'s."""
+    from dptrain.data.sampler import DistributedSampler
+    from dptrain.train import _parts
+
+    trainer.world, trainer.rank = world, world.rank
+    for _, loader in _loaders(trainer):
+        sampler = _sampler_of(loader)
+        if isinstance(sampler, DistributedSampler):
+            sampler._move(world.world_size, world.rank)
+    trainer.checkpointer.rank, trainer.checkpointer.world_size = world.rank, world.world_size
+    trainer._parts = _parts.StatefulParts(
+        strategy=trainer.strategy, model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+        scaler=trainer.scaler, progress=trainer.state, train_loader=trainer.train_loader,
+        callbacks=trainer.callbacks, checkpointer=trainer.checkpointer, config=trainer.config, world=world,
+    )  # fmt: skip
+
+
 class _Snapshot(dict):
     """One rank's part of a commit: ``seq`` (the commit's number), ``rng``, ``loss_sum``, ``sample_count``,
     ``buffers`` (plain CPU tensors: small, and loadable with ``weights_only=True``): the entry a checkpoint keeps
@@ -224,6 +288,8 @@ class InPlaceRecovery:
         trainer = self.trainer
         if self.active:
             env._STATE.store.set(f"recovery/capable/{trainer.rank}", "1")
+            if _not_resizable(trainer) is None:  # see [Note: going on without a node]
+                env._STATE.store.set(f"recovery/resizable/{trainer.rank}", "1")
             if self.seq < 0:
                 self.commit(trainer.state.batch_in_epoch, prepared=False)
         elif trainer.rank == 0 and not trainer.world.restart_count:  # once for the job, not per restart
@@ -371,19 +437,30 @@ class InPlaceRecovery:
         if shared["ddp_layout"] is None:
             self._fall_back(f"rank {source}'s DDP cannot be carried over yet (compression='auto' is still measuring)")
         t.model._rejoin(shared["ddp_layout"])
-        self._restore(shared, mine, source)
+        resized_from = None
+        world = env.get_world()
+        if (world.rank, world.world_size) != (t.rank, t.world.world_size):
+            resized_from = t.world.world_size
+            _move_to(t, world)
+        self._restore(shared, mine, source, resized_from)
         self.recoveries += 1
         if t.rank == 0:
-            self._say(generation, statuses, shared, source, transfer_s)
+            self._say(generation, statuses, shared, source, transfer_s, resized_from)
         env._STATE.store.set(f"recovery/done/{generation}", "1")
 
-    def _restore(self, shared: dict, mine: _Snapshot, source: int) -> None:
+    def _restore(self, shared: dict, mine: _Snapshot, source: int, resized_from: int | None) -> None:
         t = self.trainer
         where = f"rank {source} (in-place recovery)"
         if t.rank != source:
             t.strategy.load_model_state_dict(t.model, shared["model"], source=where)
             t.strategy.load_optimizer_state_dict(t.optimizer, shared["optimizer"])
-            if t.scheduler is not None and "scheduler" in shared:
+        if resized_from is not None and t.scheduler is not None and "scheduler" in shared:
+            # Every rank, the source too: on another world size the schedule is re-planned from the
+            # progress, as a checkpoint resumed on another world size does (see schedule.py).
+            t._parts.scheduler.saved_world_size = resized_from
+            t._parts.scheduler.load_state_dict(shared["scheduler"])
+        if t.rank != source:
+            if t.scheduler is not None and "scheduler" in shared and resized_from is None:
                 t.scheduler.load_state_dict(shared["scheduler"])
             if t.scaler is not None and "scaler" in shared:
                 t.scaler.load_state_dict(shared["scaler"])
@@ -399,17 +476,30 @@ class InPlaceRecovery:
         per_rank[t.rank] = mine
         t._parts.parts["per_rank"].load_state_dict(per_rank)
         self.seq, self.snapshot, self.prepared = shared["seq"], mine, None
+        if resized_from is not None:
+            self._write(mine)  # under this rank's new number, for a replacement of it before the next commit
         self.loader_state, self.layout = shared["loader"], shared["ddp_layout"]
         if t.state.global_step > 0:
             t.optimizer._opt_called = True  # the run has stepped: an LR scheduler's step is in order
         self.pending_save = bool(shared["pending_save"])
 
-    def _say(self, generation: int, statuses: list[dict], shared: dict, source: int, transfer_s: float) -> None:
+    def _say(self, generation: int, statuses: list[dict], shared: dict, source: int, transfer_s: float,
+             resized_from: int | None) -> None:
         """The one line a recovery leaves in the log (rank 0)."""
         from dptrain import env
 
         said = _regroup.announcement(env._STATE.store, generation)
         progress = shared["train_state"]
+        if resized_from is not None:
+            print(
+                f"dptrain: recovered in place (generation {generation}): {said.get('why', 'a node left')}, at step "
+                f"{progress['global_step']} (epoch {progress['epoch'] + 1}, batch {progress['batch_in_epoch']}); the "
+                f"job goes on with {self.trainer.world.world_size} ranks instead of {resized_from}, the rest of the "
+                f"epoch shared out anew among them (each sample once); state from rank {source} over the process "
+                f"group in {transfer_s:.3f} s; no process was restarted and no checkpoint was read",
+                file=sys.stderr, flush=True,
+            )
+            return
         new = [s["rank"] for s in statuses if s["replacement"]]
         since = [s["failed_at"] for s in statuses if s["failed_at"] is not None]
         waited = f"{time.time() - min(since):.2f} s" if since else "?"
