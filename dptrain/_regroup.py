@@ -32,9 +32,12 @@ import torch.distributed as dist
 
 from dptrain import _heartbeat
 
-__all__ = ["generation_key", "newest_generation", "wait_for_generation", "form", "world_at", "announcement", "prefixed",
+__all__ = ["generation_key", "newest_generation", "wait_for_generation", "form", "world_at", "newcomers_ready", "JobFinished",
+           "FINISHED", "announcement", "prefixed",
            "recording_connections", "cut_connections"]
 
+#: Written (rank 0) when a job that lets nodes in has finished: a newcomer still waiting to join exits.
+FINISHED = "recovery/finished"
 _POLL_S = 0.01  # a store check is ~0.1 ms: polling this often costs nothing and keeps recovery prompt
 
 
@@ -105,6 +108,10 @@ def prefixed(base: Any, attempt: int, part: str) -> Any:
     return dist.PrefixStore(part, dist.PrefixStore(_heartbeat.attempt_prefix(attempt), base))
 
 
+class JobFinished(RuntimeError):
+    """A rank let into a running job arrived after the job had finished (see :data:`FINISHED`)."""
+
+
 def generation_key(generation: int) -> str:
     return f"recovery/generation/{generation}"
 
@@ -124,6 +131,18 @@ def announcement(keys: Any, generation: int) -> dict:
     except (ValueError, RuntimeError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def newcomers_ready(keys: Any, after: int) -> bool:
+    """Whether the group must be re-formed at this step boundary: a generation after ``after`` is
+    announced and, when it lets ranks of a node in (see [Note: a node coming back] in
+    ``dptrain.launcher.resize``), they have all arrived -- the others then wait only for the state
+    transfer, not for the newcomers' start."""
+    g = newest_generation(keys, after)
+    if g == after:
+        return False
+    joining = announcement(keys, g).get("joining") or []
+    return not joining or int(keys.add(f"recovery/g{g}/arrived", 0)) >= len(joining)
 
 
 def wait_for_generation(keys: Any, after: int, timeout_s: float) -> int:
@@ -195,6 +214,8 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
             if keys.check([generation_key(g + 1)]):
                 newer = True
                 break
+            if keys.check([FINISHED]):
+                raise JobFinished(f"rank {here.rank}: the job finished before this rank could join it")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"rank {here.rank}: only {count} of {here.world_size} ranks arrived for in-place recovery "

@@ -162,6 +162,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("DPTRAIN_RECOVERY_DIR", "directory", None, "with in-place recovery: the job's private folder (under "
             "/dev/shm where there is one) where each rank keeps its in-memory snapshot; made, set and removed by "
             "dptrain run", "/tmp", default_text="none"),
+    _switch("DPTRAIN_RECOVERY_ADMIT", False, "with in-place recovery of a job of --nnodes MIN:MAX: a node that "
+            "arrives while the job runs is let in at a step boundary (the ranks check for it after each optimizer "
+            "step); set by dptrain run"),
     Setting("DPTRAIN_GENERATION", "count", 0, "with in-place recovery: 0 for a rank started with the job, g for a "
             "replacement started for generation g of the process group; set by dptrain run", "1", high=1e9),
 )}

@@ -19,6 +19,7 @@ import atexit
 import dataclasses
 import datetime
 import os
+import sys
 import warnings
 from contextlib import nullcontext
 from typing import Callable, Mapping
@@ -200,7 +201,11 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
         base = _make_store(world, td)
         keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART)
         _STATE.base_store = base
-        _STATE.generation, here = _regroup.form(base, keys, world, backend, td, generation, since=generation)
+        try:
+            _STATE.generation, here = _regroup.form(base, keys, world, backend, td, generation, since=generation)
+        except _regroup.JobFinished as exc:  # a node let in too late: nothing is left to do
+            print(f"dptrain: {exc}; exiting", file=sys.stderr, flush=True)
+            raise SystemExit(0) from None
         if here != world:  # a resize came between the launcher's start of this process and now
             _set_world_environ(here)
             _STATE.world = here  # init() takes it from here

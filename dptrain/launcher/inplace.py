@@ -80,17 +80,20 @@ WATCH_AFTER_BEATS = 3
 #: Heartbeat intervals within which a waiter's heartbeat must have been written anew to count.
 FRESH_BEATS = 3
 #: The settings ``dptrain run`` gives its ranks for in-place recovery (and removes otherwise).
-RANK_SETTINGS = ("DPTRAIN_RECOVERY", "DPTRAIN_RECOVERY_DIR", "DPTRAIN_GENERATION")
+RANK_SETTINGS = ("DPTRAIN_RECOVERY", "DPTRAIN_RECOVERY_DIR", "DPTRAIN_GENERATION", "DPTRAIN_RECOVERY_ADMIT")
 
 
-def rank_settings(environ: dict[str, str], directory: str | None) -> None:
+def rank_settings(environ: dict[str, str], directory: str | None, admit: bool = False) -> None:
     """Set in ``environ`` what a rank reads of in-place recovery: with ``directory`` (the job's
-    recovery folder) that it is on; without, nothing: a value inherited from the launcher's own
-    environment must not make ranks wait for a replacement no launcher starts."""
+    recovery folder) that it is on, and with ``admit`` that a node may join the running job (see
+    ``resize``); without, nothing: a value inherited from the launcher's own environment must not
+    make ranks wait for a replacement no launcher starts."""
     for name in RANK_SETTINGS:
         environ.pop(name, None)
     if directory is not None:
         environ.update(DPTRAIN_RECOVERY="in-place", DPTRAIN_RECOVERY_DIR=directory, DPTRAIN_GENERATION="0")
+        if admit:
+            environ["DPTRAIN_RECOVERY_ADMIT"] = "1"
 
 
 def _make_directory() -> str:
@@ -128,6 +131,7 @@ class InPlaceRecovery:
         self.fresh_s = FRESH_BEATS * beat_s + 1.0
         self.ended: dict[int, str] = {}  # pid -> why this launcher ended it (a stall)
         self.nodes: Nodes | None = None  # the job's nodes, while an attempt of several is watched
+        self.joined_at = 0  # the generation this node's ranks started in (> 0: let into a running job)
 
     # -- set-up ------------------------------------------------------------------------------
     def started(self, base_env: dict[str, str]) -> None:
@@ -150,16 +154,20 @@ class InPlaceRecovery:
         """Generations taken in ``attempt`` so far (``add`` of 0 reads a counter)."""
         return self.job.store.add(recovery_key(attempt, "count"), 0)
 
+    def _recoveries(self, attempt: int) -> int:
+        """Generations of ``attempt`` that recovered from a failure: all but the nodes let in (see ``resize``)."""
+        return self._count(attempt) - self.job.store.add(recovery_key(attempt, "admissions"), 0)
+
     def _spent_before(self, attempt: int) -> int:
-        """Restarts spent before ``attempt`` began: whole-job restarts and the replacements of earlier attempts."""
+        """Restarts spent before ``attempt`` began: whole-job restarts and the recoveries of earlier attempts."""
         for k in range(attempt):
             if k not in self._counts:
-                self._counts[k] = self._count(k)
+                self._counts[k] = self._recoveries(k)
         return attempt + sum(self._counts[k] for k in range(attempt))
 
     def restarts_spent(self, attempt: int) -> int:
-        """Restarts spent up to now: whole-job restarts (``attempt``) and every replacement."""
-        return self._spent_before(attempt) + self._count(attempt)
+        """Restarts spent up to now: whole-job restarts (``attempt``) and every recovery in place."""
+        return self._spent_before(attempt) + self._recoveries(attempt)
 
     def say_why_not(self) -> None:
         """Once per kind: why the whole job restarts instead of recovering in place."""
@@ -241,14 +249,13 @@ class InPlaceRecovery:
     def _replace(self, watch: Watch, attempt: int, failed: RankProcess, why: str, noticed: float) -> bool:
         """Start a replacement for ``failed``; False when in-place recovery cannot (see ``why_not``)."""
         job, config = self.job, self.job.config
-        before = self._spent_before(attempt)
-        if before + self._count(attempt) >= config.max_restarts:
+        if self.restarts_spent(attempt) >= config.max_restarts:
             return False  # the usual failure: no restart is left for any kind of recovery
         self.why_not = self._blocker(attempt)
         if self.why_not is not None:
             return False
         generation = job.store.add(recovery_key(attempt, "count"), 1)
-        restart = before + generation
+        restart = self.restarts_spent(attempt)
         if restart > config.max_restarts:  # another node took the last one meanwhile
             return False
         if self.nodes is not None:  # the rank is named in the numbering of the generation before

@@ -271,7 +271,7 @@ class _Job:
         self.base_env = base_environ(config, self.host, self.log)
         if config.recovery == "in-place":
             self.recovery = InPlaceRecovery(self)
-        rank_settings(self.base_env, self.recovery.directory if self.recovery else None)
+        rank_settings(self.base_env, self.recovery.directory if self.recovery else None, admit=config.elastic)
         self.cmd = [sys.executable, "-u"] + (["-m", config.program] if config.module else [config.program])
         self.cmd += list(config.args)
 
@@ -351,7 +351,9 @@ class _Job:
                           "node 0's rendezvous", f"Is `dptrain run --node-rank 0` running there, and is {self.host} "
                           f"its address as seen from this node?", self.log, self._check_signals)
 
-    def start(self, attempt: int) -> None:
+    def start(self, attempt: int, joining: int = 0) -> None:
+        """Start this node's ranks of ``attempt``; ``joining`` > 0: as newcomers to a running job, in
+        that generation of in-place recovery (see ``resize``)."""
         config = self.config
         self.ranks = []
         for local in range(config.nproc_per_node):
@@ -366,6 +368,8 @@ class _Job:
                 run_id=self.run_id,
                 restart_count=attempt, max_restarts=config.max_restarts, error_dir=self.error_dir,
             )
+            if joining:
+                environ["DPTRAIN_GENERATION"] = str(joining)
             logs = rank_log_files(self.log_dir, self.run_id, attempt, local, config.redirects, config.tee)
             proc = RankProcess(rank, local, self.cmd, environ, show, self.console, logs)
             self.ranks.append(proc)
@@ -373,6 +377,7 @@ class _Job:
         self._open_store()
         publish(self.store, f"{keys_prefix(attempt)}/{EXITS_PUBLISHED}", "1")
         if self.recovery is not None:
+            self.recovery.joined_at = joining
             self.recovery.started(self.base_env)
 
     def watch(self, attempt: int) -> tuple[RankProcess | None, str | None]:
@@ -473,13 +478,16 @@ def _run_attempts(job: _Job) -> int:
     config, signals = job.config, job.signals
     attempt = job.elastic.first_attempt() if job.elastic else 0
     while attempt <= config.max_restarts and not signals.received:
+        joining = 0  # > 0: let into the running attempt as generation `joining` (see resize)
         if not job.admit(attempt):
-            if not job.elastic.wait_for_next(attempt):
+            if not job.elastic.wait_for_next(attempt, in_place=job.recovery is not None):
                 job.log(f"dptrain run: the job ended without node {config.node_rank}")
                 return 0
-            attempt += 1
-            continue
-        job.start(attempt)
+            if job.elastic.admitted is None:
+                attempt += 1
+                continue
+            job.layout, joining = job.elastic.admitted
+        job.start(attempt, joining)
         failed, peer = job.watch(attempt)
         if not (signals.received or failed or peer):
             peer = exit_barrier(job.store, keys_prefix(attempt), job.layout.num_nodes, job.server is not None,

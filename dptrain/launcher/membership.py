@@ -62,6 +62,21 @@ class Membership:
     nodes: tuple[int, ...]
 
 
+def place(nodes: list[dict], node_id: int) -> Membership | None:
+    """``node_id``'s place among ``nodes`` (arrivals in node-rank order); None when it is not among them."""
+    ids = [n["node"] for n in nodes]
+    if node_id not in ids:
+        return None
+    i = ids.index(node_id)
+    return Membership(node_rank=i, rank_base=sum(n["nproc"] for n in nodes[:i]), num_nodes=len(nodes),
+                      world_size=sum(n["nproc"] for n in nodes), nodes=tuple(ids))
+
+
+def admitted_key(attempt: int, token: str) -> str:
+    """Where node 0 lets a launcher into ``attempt`` while it runs (see ``resize``)."""
+    return f"{PREFIX}/{attempt}/admitted/{token}"
+
+
 class Elastic:
     """One launcher's side of the protocol in the note above.
 
@@ -87,6 +102,7 @@ class Elastic:
         self.token = uuid.uuid4().hex
         self.last_nodes: tuple[int, ...] | None = None
         self.members: list[dict] = []  # the nodes of the attempt joined last, in node-rank order
+        self.admitted: tuple[Membership, int] | None = None  # let into a running attempt: (place, generation)
 
     @property
     def coordinator(self) -> bool:
@@ -114,14 +130,10 @@ class Elastic:
                                      f"node 0 to start attempt {attempt}")
         if "error" in members:
             raise ValueError(members["error"])
-        mine = [i for i, m in enumerate(members["nodes"]) if m["token"] == self.token]
-        if not mine:
+        if not any(m["token"] == self.token for m in members["nodes"]):
             return None
         self.members = list(members["nodes"])
-        index = mine[0]
-        nodes = tuple(m["node"] for m in members["nodes"])
-        return Membership(node_rank=index, rank_base=sum(m["nproc"] for m in members["nodes"][:index]),
-                          num_nodes=len(nodes), world_size=sum(m["nproc"] for m in members["nodes"]), nodes=nodes)
+        return place(self.members, self.node_id)
 
     def _arrivals(self, base: str) -> list[dict]:
         count = int(self.store.add(f"{base}/arrivals", 0))
@@ -175,10 +187,14 @@ class Elastic:
         return members
 
     # ---- waiting outside the job
-    def wait_for_next(self, attempt: int) -> bool:
-        """A node left out of ``attempt``: wait until it restarts (True) or the job ends (False)."""
+    def wait_for_next(self, attempt: int, in_place: bool = False) -> bool:
+        """A node left out of ``attempt``: wait until it restarts (True), node 0 lets it into the
+        running attempt (True, with ``admitted`` set; ``in_place``: in-place recovery, see
+        ``resize``), or the job ends (False)."""
+        self.admitted = None
+        when = "at the next restart, or at a step boundary once node 0 lets it in" if in_place else "at the next restart"
         self.log(f"dptrain run: node {self.node_id} was not admitted to attempt {attempt} (it started without "
-                 f"this node); waiting to join at the next restart")
+                 f"this node); waiting to join {when}")
         while True:
             self.interrupted()
             try:
@@ -186,8 +202,14 @@ class Elastic:
                     return False
                 if self.store.check([failed_key(attempt)]):
                     return True
+                let_in = (store_values.read(self.store, admitted_key(attempt, self.token), store_values.admission,
+                                            self.warn) if in_place else None)
             except Exception:  # noqa: BLE001 - node 0's store is gone: the job is over
                 return False
+            if let_in is not None and (layout := place(let_in["nodes"], self.node_id)) is not None:
+                self.members = list(let_in["nodes"])
+                self.admitted = (layout, let_in["generation"])
+                return True
             time.sleep(_POLL_S)
 
     def finish(self) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 from dptrain._heartbeat import recovery_key
 from dptrain._join import ranks_text
 from dptrain.launcher import store_values
-from dptrain.launcher.membership import Membership
+from dptrain.launcher.membership import PREFIX, admitted_key, max_arrivals, place
 from dptrain.launcher.rendezvous import failed_key
 from dptrain.launcher.store import StoreClient
 from dptrain.launcher.watch import publish
@@ -82,16 +82,6 @@ class _Beat:
         self._client.close()
 
 
-def _layout_of(nodes: list[dict], node_id: int) -> Membership | None:
-    """``node_id``'s place among ``nodes`` (in node-rank order); None when it is not among them."""
-    ids = [n["node"] for n in nodes]
-    if node_id not in ids:
-        return None
-    i = ids.index(node_id)
-    return Membership(node_rank=i, rank_base=sum(n["nproc"] for n in nodes[:i]), num_nodes=len(nodes),
-                      world_size=sum(n["nproc"] for n in nodes), nodes=tuple(ids))
-
-
 class Nodes:
     """One launcher's side of [Note: a node lost for good] for one attempt (``recovery``: its
     ``InPlaceRecovery``). ``tick`` runs once a second in the watch loop; ``close`` at its end."""
@@ -105,7 +95,10 @@ class Nodes:
             self.members = [dict(m) for m in job.elastic.members]
         else:
             self.members = [{"node": i, "nproc": config.nproc_per_node, "token": "0"} for i in range(config.nnodes)]
-        self.applied = recovery._count(attempt)  # generations taken before this attempt's watch began
+        self.applied = recovery.joined_at  # every generation after the one this node's ranks started in
+        self._tokens = {m["token"] for m in self.members}  # launchers that were members: never let in again
+        self._arrivals_read = 0  # arrivals at this attempt read so far (node 0)
+        self._waiting: list[dict] = []  # launchers that arrived while the attempt runs, not let in yet
         self.lost_s = recovery.fresh_s
         self.dropped: str | None = None  # why this node was left out of the job (it then ends)
         self._seen: dict[int, tuple[int, float]] = {}  # node id -> (its beat, since when it has not moved)
@@ -126,9 +119,12 @@ class Nodes:
         self.catch_up()
         if self.dropped is not None:
             return self.dropped
-        if self.node_id == 0 and len(self.members) > 1:
-            return self._look_for_lost()
-        return None
+        if self.node_id != 0:
+            return None
+        ended = self._look_for_lost() if len(self.members) > 1 else None
+        if ended is None and self.job.elastic is not None:
+            self._look_for_arrivals()
+        return ended
 
     def catch_up(self, upto: int | None = None, wait_s: float = 0.0) -> None:
         """Apply every generation announced (before ``upto``, when given) that is not applied yet;
@@ -152,7 +148,7 @@ class Nodes:
     def _apply(self, entry: dict) -> None:
         """A resize: this node's new place, its ranks' new numbers (see the Note)."""
         job = self.job
-        layout = _layout_of(entry["nodes"], self.node_id)
+        layout = place(entry["nodes"], self.node_id)
         self.members = [dict(n) for n in entry["nodes"]]
         if layout is None:
             self.dropped = (f"node {self.node_id} was left out of the job: {entry['why']}; its ranks are "
@@ -201,7 +197,7 @@ class Nodes:
         generation = None
         if why_not is None:
             generation = job.store.add(recovery_key(self.attempt, "count"), 1)
-            restart = self.recovery._spent_before(self.attempt) + generation
+            restart = self.recovery.restarts_spent(self.attempt)
             if restart > config.max_restarts:
                 why_not = f"no restart is left (--max-restarts {config.max_restarts})"
         if why_not is not None:
@@ -224,6 +220,56 @@ class Nodes:
             self._seen.pop(m["node"], None)
         self.catch_up()  # this launcher's own place changes too (its world size, at least)
         return None
+
+    def _look_for_arrivals(self) -> None:
+        """Let launchers that arrived at this attempt while it runs into it (see [Note: a node
+        coming back]), as many as ``--nnodes MIN:MAX`` has room for."""
+        job, config, store = self.job, self.job.config, self.job.store
+        base = f"{PREFIX}/{self.attempt}"
+        count = min(int(store.add(f"{base}/arrivals", 0)), max_arrivals(config.nnodes))
+        while self._arrivals_read < count:
+            i = self._arrivals_read + 1
+            entry = store_values.read(store, f"{base}/arrival/{i}", store_values.arrival, job.warnings)
+            if entry is None:
+                break  # its number is taken, its entry not written yet: read it at the next tick
+            self._arrivals_read = i
+            known = {m["node"] for m in self.members} | {a["node"] for a in self._waiting}
+            if entry["token"] not in self._tokens and entry["node"] not in known:
+                self._waiting.append(entry)
+        room = config.nnodes - len(self.members)
+        if not self._waiting or room <= 0:
+            return
+        blocker = self.recovery._blocker(self.attempt, resizing=True)
+        if blocker is not None:
+            self.recovery.why_not = ("admit", f"node(s) {', '.join(str(a['node']) for a in self._waiting)} arrived, "
+                                              f"but the job cannot take them in place: {blocker[1].split(';')[0]}; "
+                                              f"they join at the next restart")
+            self.recovery.say_why_not()
+            return
+        self._admit(self._waiting[:room])
+        self._waiting = self._waiting[room:]
+
+    def _admit(self, chosen: list[dict]) -> None:
+        job, config, store = self.job, self.job.config, self.job.store
+        nodes = self.members + chosen
+        old, new = _places(self.members), _places(nodes)
+        joining = [r for a in chosen for r in new[a["node"]]]
+        world = sum(m["nproc"] for m in nodes)
+        ids = ", ".join(str(a["node"]) for a in chosen)
+        what = f"node(s) {ids} arrived (rank(s) {ranks_text(joining)})"
+        store.add(recovery_key(self.attempt, "admissions"), 1)  # first: a node let in is not a restart
+        generation = store.add(recovery_key(self.attempt, "count"), 1)
+        entry = {"kind": "resize", "nodes": nodes, "why": what, "world_size": world, "joining": joining,
+                 "renumber": [[r, r] for ranks in old.values() for r in ranks], "rank": joining, "time": time.time(),
+                 "spare": False}
+        store.set(recovery_key(self.attempt, f"generation/{generation}"), json.dumps(entry))
+        for a in chosen:
+            store.set(admitted_key(self.attempt, a["token"]), json.dumps({"nodes": nodes, "generation": generation}))
+            self._tokens.add(a["token"])
+        job.log(f"dptrain run: {what}; in-place recovery lets it in: the job goes on with {world} rank(s) on node(s) "
+                f"{', '.join(str(m['node']) for m in nodes)} from the first step boundary after its ranks are ready "
+                f"(generation {generation}); they get the training state from a live rank")
+        self.catch_up()
 
     def _why_not_resize(self, left: list[dict]) -> str | None:
         """Why the job cannot go on in place without the lost nodes, or None."""

@@ -27,7 +27,7 @@ import unicodedata
 from typing import Any, Callable, TypeVar
 
 __all__ = ["Malformed", "Warnings", "clean", "read", "heartbeat", "left_note", "arrival", "members",
-           "attempt_number", "generation", "failure_text", "failure_report", "fallback_note"]
+           "attempt_number", "generation", "admission", "failure_text", "failure_report", "fallback_note"]
 
 T = TypeVar("T")
 
@@ -198,6 +198,13 @@ def _nodes(obj: dict) -> list[dict]:
     return chosen
 
 
+def admission(raw: bytes) -> dict:
+    """Node 0 letting a launcher into a running attempt (see ``resize``): the attempt's nodes as
+    they are from ``generation`` on, ``{"nodes": [arrival, ...], "generation": g}``."""
+    obj = _json_object(raw)
+    return {"nodes": _nodes(obj), "generation": _whole(obj, "generation", minimum=1)}
+
+
 def generation(raw: bytes) -> dict:
     """A generation of in-place recovery (``recovery/generation/<g>``): ``{"kind": "replace"}``
     for a rank replaced by its own node's launcher (see ``inplace``), or, for the job's nodes
@@ -247,4 +254,5 @@ def fallback_note(raw: bytes) -> str:
 
 _KINDS = {heartbeat: "heartbeat", left_note: "note of a rank that left", arrival: "elastic arrival",
           members: "list of an attempt's nodes", attempt_number: "attempt number",
-          failure_report: "failure report", generation: "in-place recovery generation", fallback_note: "in-place recovery fallback note"}
+          failure_report: "failure report", generation: "in-place recovery generation",
+          admission: "admission to a running attempt", fallback_note: "in-place recovery fallback note"}

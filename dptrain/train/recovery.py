@@ -56,6 +56,14 @@ __all__ = ["InPlaceRecovery", "in_place_requested", "is_replacement", "FALLBACK_
 
 #: Exit code of a rank that cannot recover in place (the launcher then restarts the whole job).
 FALLBACK_EXIT = 75
+#: With nodes let into a running job (``DPTRAIN_RECOVERY_ADMIT``): the ranks ask whether one is
+#: ready after every this many optimizer steps (one small all-reduce; see [Note: a node coming back]).
+ADMIT_EVERY_STEPS = 4
+
+
+class _NodeArrived(Exception):
+    """Raised at a step boundary when every rank agreed that a node let in is ready to join: the
+    Trainer's loop unwinds to ``fit`` and re-forms the group there, as after a peer's failure."""
 
 
 def in_place_requested() -> bool:
@@ -211,6 +219,10 @@ class InPlaceRecovery:
         self.pending_save = False  # a checkpoint due at commit `seq` is not written yet
         self.recoveries = 0
         self.joined_from: str | None = None  # a replacement: what it got its state from
+        self.arrived = False  # every rank agreed, at the last boundary, that a node let in is ready
+        # Nodes may be let in while the job runs: every rank takes part in the check (see the Note).
+        self.admitting = (self.active and _settings.get("DPTRAIN_RECOVERY_ADMIT")
+                          and _not_resizable(trainer) is None)
 
     # -- commits -------------------------------------------------------------------------
     def _own_state(self, loss_sum: torch.Tensor, count: int) -> _Snapshot:
@@ -256,9 +268,12 @@ class InPlaceRecovery:
         if self.active:
             self._prepare(torch.zeros((), dtype=torch.float64), 0)
 
-    def commit(self, batch: int, prepared: bool) -> None:
+    def commit(self, batch: int, prepared: bool, boundary: bool = True) -> None:
         """Right after an optimizer step or an epoch's end (``batch`` 0); ``prepared``: this rank's part
-        was prepared ahead (False for a skipped step, whose losses are not added, and at ``fit``'s start)."""
+        was prepared ahead (False for a skipped step, whose losses are not added, and at ``fit``'s start);
+        ``boundary``: a step boundary every rank of the job reaches (not ``fit``'s start, which a
+        replacement skips), where the ranks may agree that a node let in is ready (:attr:`arrived`).
+        """
         if not self.active:
             return
         trainer = self.trainer
@@ -271,6 +286,44 @@ class InPlaceRecovery:
         pending = trainer.state._pending_loader_state  # a resumed position not yet given to the loader
         self.loader_state = pending if pending is not None else trainer._parts.parts["train_loader"].state_dict()
         self.pending_save = False
+        if boundary and self.admitting and (batch == 0 or trainer.state.global_step % ADMIT_EVERY_STEPS == 0):
+            self._look_for_newcomers()
+
+    def _look_for_newcomers(self) -> None:
+        """Rank 0 asks the store whether a node let in is ready; one all-reduce tells every rank."""
+        from dptrain import env
+
+        ready = 0
+        if self.trainer.rank == 0:
+            ready = int(_regroup.newcomers_ready(env._STATE.store, env._STATE.generation))
+        flag = torch.tensor([ready], dtype=torch.int32, device=self.trainer.device)
+        comm.all_reduce(flag)
+        self.arrived = bool(flag.item())
+
+    def take_newcomers(self) -> None:
+        """Before the next step (every rank at the same one): unwind to ``fit`` when a node is ready to join.
+
+        The check itself ran at the commit; joining waits until here so that what follows a commit
+        in the same step (a step checkpoint, callbacks) is done first.
+
+        Raises:
+            _NodeArrived: every rank agreed that a node let in is ready; ``fit`` recovers from it.
+        """
+        if self.arrived:
+            raise _NodeArrived("a node let into the job is ready to join")
+
+    def finish(self) -> None:
+        """At the end of ``fit``: take a node that became ready at the last step boundary (it then
+        joins the final evaluation), and tell one that is still starting that the job is over."""
+        if not self.admitting:
+            return
+        if self.arrived:
+            self.recover(_NodeArrived("a node let into the job is ready to join"))
+        if self.trainer.rank == 0:
+            from dptrain import env
+
+            with contextlib.suppress(Exception):
+                env._STATE.store.set(_regroup.FINISHED, "1")
 
     @contextlib.contextmanager
     def saving(self):
@@ -291,14 +344,14 @@ class InPlaceRecovery:
             if _not_resizable(trainer) is None:  # see [Note: going on without a node]
                 env._STATE.store.set(f"recovery/resizable/{trainer.rank}", "1")
             if self.seq < 0:
-                self.commit(trainer.state.batch_in_epoch, prepared=False)
+                self.commit(trainer.state.batch_in_epoch, prepared=False, boundary=False)
         elif trainer.rank == 0 and not trainer.world.restart_count:  # once for the job, not per restart
             print(f"dptrain: --recovery in-place is not available to this job: {self.why_not}; a failure "
                   f"restarts the whole job from its newest checkpoint instead", file=sys.stderr, flush=True)
 
     # -- recovering ------------------------------------------------------------------------
     def can_recover(self, exc: BaseException) -> bool:
-        return self.active and isinstance(exc, Exception) and _is_peer_failure(exc)
+        return self.active and (isinstance(exc, _NodeArrived) or (isinstance(exc, Exception) and _is_peer_failure(exc)))
 
     def recover(self, exc: BaseException) -> None:
         """A survivor's side: wait for the launcher's new generation, re-form the group, restore, go on.
@@ -314,7 +367,8 @@ class InPlaceRecovery:
         try:
             generation = _regroup.wait_for_generation(env._STATE.store, env._STATE.generation, timeout)
         except TimeoutError:
-            raise exc from None
+            raise exc from None  # (a node that arrived has its generation announced already)
+        self.arrived = False
         self._recover_at(generation, failed_at, reform=True)
 
     def join(self) -> None:
@@ -392,7 +446,20 @@ class InPlaceRecovery:
                 snap = torch.load(path, map_location="cpu", weights_only=True)
                 if snap.get("seq") == target:
                     return _Snapshot(snap)
+        if self._newcomer():
+            # A rank that never trained: its own RNG streams, no share of the epoch's running loss, and
+            # the buffers the source sends with the weights (an empty dict keeps them).
+            snap = self._own_state(torch.zeros((), dtype=torch.float64), 0)
+            snap.update(seq=target, buffers={})
+            return snap
         return None
+
+    def _newcomer(self) -> bool:
+        """Whether this process started as a rank of a node let into the running job (see [Note: a node coming back])."""
+        from dptrain import env
+
+        said = _regroup.announcement(env._STATE.store, _settings.get("DPTRAIN_GENERATION"))
+        return said.get("kind") == "resize" and bool(said.get("joining"))
 
     def _shared_state(self) -> dict:
         """What the source sends: the state every rank shares at its last commit."""
@@ -408,6 +475,7 @@ class InPlaceRecovery:
             "checkpoints": sorted(t.checkpointer._ours),
             "pending_save": self.pending_save,
             "ddp_layout": self.layout,
+            "world_size": t.world.world_size,
         }
         if t.scheduler is not None:
             state["scheduler"] = t.scheduler.state_dict()
@@ -437,11 +505,11 @@ class InPlaceRecovery:
         if shared["ddp_layout"] is None:
             self._fall_back(f"rank {source}'s DDP cannot be carried over yet (compression='auto' is still measuring)")
         t.model._rejoin(shared["ddp_layout"])
-        resized_from = None
         world = env.get_world()
         if (world.rank, world.world_size) != (t.rank, t.world.world_size):
-            resized_from = t.world.world_size
             _move_to(t, world)
+        # The commit's world size (a newcomer's own never changed, but the schedule was planned on that one).
+        resized_from = shared["world_size"] if shared["world_size"] != world.world_size else None
         self._restore(shared, mine, source, resized_from)
         self.recoveries += 1
         if t.rank == 0:
@@ -491,12 +559,15 @@ class InPlaceRecovery:
         said = _regroup.announcement(env._STATE.store, generation)
         progress = shared["train_state"]
         if resized_from is not None:
+            new = [s["rank"] for s in statuses if s["replacement"]]
+            joined = f"; rank(s) {', '.join(map(str, new))} joined with it" if new else ""
             print(
-                f"dptrain: recovered in place (generation {generation}): {said.get('why', 'a node left')}, at step "
-                f"{progress['global_step']} (epoch {progress['epoch'] + 1}, batch {progress['batch_in_epoch']}); the "
-                f"job goes on with {self.trainer.world.world_size} ranks instead of {resized_from}, the rest of the "
-                f"epoch shared out anew among them (each sample once); state from rank {source} over the process "
-                f"group in {transfer_s:.3f} s; no process was restarted and no checkpoint was read",
+                f"dptrain: {'recovered in place' if said.get('lost') else 'grew in place'} (generation {generation}): "
+                f"{said.get('why', 'the nodes changed')}, at step {progress['global_step']} (epoch "
+                f"{progress['epoch'] + 1}, batch {progress['batch_in_epoch']}); the job goes on with "
+                f"{self.trainer.world.world_size} ranks instead of {resized_from}, the rest of the epoch shared out "
+                f"anew among them as on a resume at another world size; state from rank {source} over the process group in "
+                f"{transfer_s:.3f} s{joined}; no process was restarted and no checkpoint was read",
                 file=sys.stderr, flush=True,
             )
             return

@@ -379,6 +379,7 @@ class Trainer:
                     if self._recovery.pending_save:
                         with self._recovery.saving():
                             self.save_checkpoint()
+            self._recovery.finish()  # a node let in at the last step boundary joins the end
             if self.stop_reason is not None:
                 self.log.line(self.stop_reason)
             if self._profiler is not None and self._profiler.steps:
@@ -462,6 +463,7 @@ class Trainer:
         if prof is not None:
             prof.start()
         for batch in it:
+            self._recovery.take_newcomers()  # a node let in joins here, before the next step
             if prof is not None:
                 prof.lap("data")
             inputs, targets = split_batch(move_to_device(batch, self.device))

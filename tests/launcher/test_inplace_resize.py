@@ -1,12 +1,16 @@
-"""In-place recovery across network-namespace "nodes": a node lost for good (``--nnodes MIN:MAX``).
+"""In-place recovery when nodes come and go (``--nnodes MIN:MAX --recovery in-place``).
 
-Three nodes of one rank each: nodes 0 and 2 in one namespace, node 1 in the other. Node 1 is
-killed for good (its launcher and its rank) in the middle of the first epoch. Node 0's
-launcher notices that node 1's launcher stopped answering and announces a resize; the two
-surviving ranks keep their processes, re-form the process group as ranks 0 and 1 (node 2's
-rank 2 becomes rank 1) and go on: no restart, no checkpoint (the job has none), and every
-sample of each epoch is trained on exactly once, counting for every step only what its newest
-generation trained.
+Across network-namespace "nodes", three of one rank each: nodes 0 and 2 in one namespace, node 1
+in the other. Node 1 is killed for good (its launcher and its rank) in the middle of the first
+epoch. Node 0's launcher notices that node 1's launcher stopped answering and announces a resize;
+the two surviving ranks keep their processes, re-form the process group as ranks 0 and 1 (node
+2's rank 2 becomes rank 1) and go on. Then node 1 is started again; node 0 lets it in and its
+rank joins at a step boundary with a live rank's state. No restart, no checkpoint (the job has
+none), and every sample of each epoch is trained on exactly once, counting for every step only
+what its newest generation trained (but for the padding of the epoch that grew, as on a resume).
+
+Then the launchers' side alone, with fake ranks: the resize's entry, and the restart (said
+once, with why) where the job cannot go on without the node.
 """
 
 import glob
@@ -26,11 +30,11 @@ SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_resize.py")
 SAMPLES = 240
 
 
-def _launch(ns, node_rank, port, seen, extra=()):
+def _launch(ns, node_rank, port, seen, extra=("--epochs", "2")):
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dptrain", "run", "--nnodes", "2:3", "--node-rank",
            str(node_rank), "--nproc-per-node", "1", "--master-addr", ADDR[0], "--master-port", str(port),
-           "--recovery", "in-place", "--max-restarts", "2", "--join-timeout", "20", "--timeout", "30", *extra,
-           SCRIPT, "--seen", seen]
+           "--recovery", "in-place", "--max-restarts", "2", "--join-timeout", "20", "--timeout", "30",
+           SCRIPT, "--seen", seen, *extra]
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env.update(PYTHONPATH=ROOT, DPTRAIN_HEARTBEAT_S="0.5")
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
@@ -57,6 +61,10 @@ def _steps(seen):
     return max((r[2] for r in _records(seen)), default=0)
 
 
+def _generations(seen):
+    return {r[0] for r in _records(seen)}
+
+
 def _trained(records):
     """The records of each step's newest generation: a step abandoned by a recovery was done again."""
     newest = defaultdict(int)
@@ -65,51 +73,62 @@ def _trained(records):
     return [r for r in records if r[0] == newest[r[1], r[2]]]
 
 
-def test_a_node_lost_for_good_the_others_go_on_in_place_each_sample_once(two_nodes, tmp_path):
+def test_a_node_lost_for_good_then_back_the_job_goes_on_in_place_each_sample_once(two_nodes, tmp_path):
+    """Node 1 is lost: the job goes on with nodes 0 and 2, node 2's rank renumbered 2 -> 1. Then node 1
+    is started again: node 0 lets it in, and its rank joins at a step boundary with the state of a live
+    rank (as rank 2, after node 2's). The two survivors never restart."""
     seen = tmp_path / "seen"
     seen.mkdir()
-    port = 29631
-    nodes = [_launch(two_nodes[0], 0, port, str(seen))]
-    nodes.append(_launch(two_nodes[1], 1, port, str(seen)))
-    nodes.append(_launch(two_nodes[0], 2, port, str(seen)))
+    port = 29633
+    epochs = ("--epochs", "4")
+    nodes = [_launch(two_nodes[0], 0, port, str(seen), epochs), _launch(two_nodes[1], 1, port, str(seen), epochs),
+             _launch(two_nodes[0], 2, port, str(seen), epochs)]
     try:
         deadline = time.monotonic() + 90
         while _steps(str(seen)) < 6:
             assert time.monotonic() < deadline and nodes[0].poll() is None, "the job did not reach step 6"
             time.sleep(0.1)
-        _kill_namespace(two_nodes[1])  # node 1 is gone for good: its launcher and its rank
-        outs = [nodes[i].communicate(timeout=120) for i in (0, 2)]
+        _kill_namespace(two_nodes[1])
+        nodes[1].communicate()
+        while 1 not in _generations(str(seen)):
+            assert time.monotonic() < deadline and nodes[0].poll() is None, "the job did not go on without node 1"
+            time.sleep(0.1)
+        nodes[1] = _launch(two_nodes[1], 1, port, str(seen), epochs)  # a new launcher on the same node
+        outs = [p.communicate(timeout=150) for p in nodes]
     finally:
         for p in nodes:
             if p.poll() is None:
                 p.kill()
-        nodes[1].communicate()
-    (out0, err0), (out2, err2) = outs
     if os.environ.get("SHOW_RESIZE"):
-        print(err0, out0, err2, out2)
-    assert nodes[0].returncode == 0, err0[-3000:]
-    assert nodes[2].returncode == 0, err2[-3000:]
+        print(*(o for pair in outs for o in pair))
+    for p, (out, err) in zip(nodes, outs):
+        assert p.returncode == 0, err[-3000:]
+    (out0, err0), (out1, err1), (out2, err2) = outs
     assert "node(s) 1 (rank(s) 1) stopped answering" in err0, err0[-3000:]
-    assert "in-place recovery: the job goes on without it, with 2 rank(s) on node(s) 0, 2" in err0, err0[-3000:]
-    assert "rank(s) 2->1 renumbered" in err0
-    assert "restarting all ranks" not in err0 + err2
-    assert "goes on with 2 ranks instead of 3" in err0, err0[-3000:]
-
-    # The survivors kept their processes: the pid that started is the one that finished, renumbered.
-    started = dict(re.findall(r"started pid (\d+) as rank (\d+) of 3", out0 + out2))
-    finished = dict(re.findall(r"finished pid (\d+) as rank (\d+) of 2 at step", out0 + out2))
-    assert set(finished) <= set(started) and len(finished) == 2, (started, finished)
-    assert sorted(started[pid] + "->" + finished[pid] for pid in finished) == ["0->0", "2->1"]
-    digests = set(re.findall(r"of 2 at step \d+ weights (\w+)", out0 + out2))
-    assert len(digests) == 1, digests  # both survivors hold the same weights
+    assert ("in-place recovery: the job goes on without it, with 2 rank(s) on node(s) 0, 2 (generation 1, restart 1 "
+            "of 2); rank(s) 2->1 renumbered" in err0), err0[-3000:]
+    assert "recovered in place (generation 1)" in err0 and "goes on with 2 ranks instead of 3" in err0
+    assert re.search(r"node\(s\) 1 arrived \(rank\(s\) 2\); in-place recovery lets it in: the job goes on with 3 "
+                     r"rank\(s\) on node\(s\) 0, 2, 1", err0), err0[-3000:]
+    assert "waiting to join at the next restart, or at a step boundary once node 0 lets it in" in err1, err1
+    assert "grew in place (generation 2)" in err0 and "goes on with 3 ranks instead of 2" in err0, err0[-3000:]
+    assert "restarting all ranks" not in err0 + err1 + err2
+    started = dict(re.findall(r"started pid (\d+) as rank (\d+) of \d", out0 + out1 + out2))
+    finished = dict(re.findall(r"finished pid (\d+) as rank (\d+) of 3 at step", out0 + out1 + out2))
+    assert sorted(f"{started[pid]}->{finished[pid]}" for pid in finished) == ["0->0", "2->1", "2->2"], (started,
+                                                                                                        finished)
+    assert len(set(re.findall(r"of 3 at step \d+ weights (\w+)", out0 + out1 + out2))) == 1
 
     trained = _trained(list(_records(str(seen))))
-    for epoch in (0, 1):
+    grown = min((e, s) for g, e, s, _, _ in trained if g == 2)  # the first step trained with the newcomer
+    for epoch in range(4):
         count = Counter(i for _, e, _, _, idx in trained if e == epoch for i in idx)
-        assert sorted(count) == list(range(SAMPLES)) and set(count.values()) == {1}, (epoch, count.most_common(3))
-    # Epoch 0 was trained on 3 ranks first, then on 2; epoch 1 on 2 only.
-    assert {r[3] for r in trained if r[1] == 0} == {0, 1, 2}
-    assert {r[3] for r in trained if r[1] == 1} == {0, 1}
+        assert sorted(count) == list(range(SAMPLES)), epoch
+        # The epoch that grew shares its rest out on 3 ranks: up to 2 padding repeats, as a resume would.
+        repeats = sum(count.values()) - SAMPLES
+        assert repeats == 0 or (epoch == grown[0] and repeats <= 2), (epoch, count.most_common(3))
+    assert {r[3] for r in trained if (r[1], r[2]) >= grown} == {0, 1, 2}
+    assert {r[3] for r in trained if r[0] == 1} == {0, 1}  # between the loss and the return: 2 ranks
 
 
 # -- the launchers' side, with fake ranks (no torch) and launchers on one machine ----------------
@@ -138,10 +157,10 @@ print("GENERATION", store.get(keys + "recovery/generation/1").decode(), flush=Tr
 '''
 
 
-def _fake_node(script, node, port, plan, nnodes="1:2", nproc=1):
+def _fake_node(script, node, port, plan, nnodes="1:2", nproc=1, timeout=20):
     cmd = [sys.executable, "-m", "dptrain", "run", "--nnodes", nnodes, "--node-rank", str(node), "--nproc-per-node",
            str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port), "--recovery", "in-place",
-           "--max-restarts", "2", "--join-timeout", "2", "--timeout", "20", script, json.dumps(plan)]
+           "--max-restarts", "2", "--join-timeout", "2", "--timeout", str(timeout), script, json.dumps(plan)]
     env = dict(os.environ, OMP_NUM_THREADS="1", DPTRAIN_HEARTBEAT_S="0.2", PYTHONPATH=ROOT)
     env.pop("GLOO_SOCKET_IFNAME", None)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
@@ -153,7 +172,9 @@ def _lose_node_1(tmp_path, plan, nnodes="1:2"):
     script = tmp_path / "fake_rank.py"
     script.write_text(FAKE_RANK)
     port = free_port()
-    nodes = [_fake_node(str(script), n, port, plan, nnodes, nproc=2) for n in (0, 1)]
+    # A fixed-size job's restart waits for the lost node until the timeout: short here.
+    nodes = [_fake_node(str(script), n, port, plan, nnodes, nproc=2, timeout=20 if ":" in nnodes else 4)
+             for n in (0, 1)]
     try:
         deadline = time.monotonic() + 30
         while len(glob.glob(f"/proc/{nodes[1].pid}/task/*")) < 3 or not _ranks_of(nodes[1].pid):
