@@ -29,6 +29,27 @@ node 0's launcher, which hosts the store and cannot be the node lost, decides in
   where membership decides again which nodes take part.
 
 A resize counts as one restart of ``--max-restarts``, as a replacement does.
+
+[Note: a node coming back]
+With ``--nnodes MIN:MAX`` a launcher that starts while an attempt runs registers at it (see
+``membership``) and, left out of the attempt's members, waits. Node 0 reads the attempt's
+arrivals once a second; one from a launcher that was never a member (a new token) and whose
+node is not a member lets it in, while there is room under MAX and every rank can resize:
+node 0 writes a resize generation with the new nodes appended (their ranks take the next
+numbers; no rank is renumbered; ``joining`` names the new ranks), then
+``launcher/elastic/<attempt>/admitted/<token>`` with the nodes and the generation. The
+launcher so admitted starts its ranks in that generation (``DPTRAIN_GENERATION``), as
+replacements: they build the script's model and Trainer and wait in the group's rendezvous
+(``dptrain._regroup.form``). The running ranks must meet them at a step boundary -- nothing
+fails to bring them there -- so every ``ADMIT_EVERY_STEPS`` (``dptrain.train.recovery``) optimizer steps and at each epoch
+end they check (``DPTRAIN_RECOVERY_ADMIT``, set for the ranks of an elastic job): rank 0 asks
+the store whether a newer generation is announced and all its newcomers have arrived
+(``dptrain._regroup.newcomers_ready``), and one all-reduce of that answer makes every rank
+take the same decision at the same step. Then they re-form the group and the newcomers get a
+live rank's state (see ``dptrain.train.recovery``). Waiting for the newcomers to arrive first
+keeps the running ranks from idling through their start. A newcomer that arrives after the
+job has finished (``recovery/finished``) exits 0. Letting a node in is not a restart: node 0
+counts admissions (``recovery/admissions``) apart from the generations that recover failures.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ __all__ = ["InPlaceRecovery", "in_place_requested", "is_replacement", "FALLBACK_
 #: Exit code of a rank that cannot recover in place (the launcher then restarts the whole job).
 FALLBACK_EXIT = 75
 #: With nodes let into a running job (``DPTRAIN_RECOVERY_ADMIT``): the ranks ask whether one is
-#: ready after every this many optimizer steps (one small all-reduce; see [Note: a node coming back]).
+#: ready after every this many optimizer steps (one small all-reduce; see [Note: a node coming back]
+#: in dptrain.launcher.resize).
 ADMIT_EVERY_STEPS = 4
 
 
@@ -455,7 +456,8 @@ class InPlaceRecovery:
         return None
 
     def _newcomer(self) -> bool:
-        """Whether this process started as a rank of a node let into the running job (see [Note: a node coming back])."""
+        """Whether this process started as a rank of a node let into the running job (see [Note: a node
+        coming back] in dptrain.launcher.resize)."""
         from dptrain import env
 
         said = _regroup.announcement(env._STATE.store, _settings.get("DPTRAIN_GENERATION"))

@@ -24,9 +24,10 @@ import time
 from collections import Counter, defaultdict
 
 from dptrain.launcher.rendezvous import free_port
-from tests.launcher.test_multinode import ADDR, ROOT, _sh, two_nodes  # noqa: F401 - the fixture
+from tests.launcher.test_elastic import _kill_namespace
+from tests.launcher.test_multinode import ADDR, ROOT, two_nodes  # noqa: F401 - the fixture
 
-SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_resize.py")
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_elastic.py")
 SAMPLES = 240
 
 
@@ -34,18 +35,10 @@ def _launch(ns, node_rank, port, seen, extra=("--epochs", "2")):
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dptrain", "run", "--nnodes", "2:3", "--node-rank",
            str(node_rank), "--nproc-per-node", "1", "--master-addr", ADDR[0], "--master-port", str(port),
            "--recovery", "in-place", "--max-restarts", "2", "--join-timeout", "20", "--timeout", "30",
-           SCRIPT, "--seen", seen, *extra]
+           SCRIPT, "--seen", seen, "--per-process", *extra]
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env.update(PYTHONPATH=ROOT, DPTRAIN_HEARTBEAT_S="0.5")
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-
-
-def _kill_namespace(ns):
-    for pid in _sh("ip", "netns", "pids", ns).stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _records(seen):
