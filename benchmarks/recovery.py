@@ -14,6 +14,8 @@ even rounds, backward on odd ones):
     c   ``dptrain run --max-restarts 1 --recovery in-place``
     d   ``dptrain run --max-restarts 1 --recovery in-place --spares 1``
     c0  ``dptrain run --recovery in-place`` with no failure (what in-place costs when nothing fails)
+    d0  the same with ``--spares 1`` (what a hot spare costs when nothing fails; d minus d0 is what
+        the failure itself costs with a spare)
 
 The victim kills itself only in its first process (DPTRAIN_GENERATION and
 TORCHELASTIC_RESTART_COUNT both 0). Per variant: time lost per failure (the variant's wall
@@ -139,6 +141,7 @@ VARIANTS = {  # name: (label, launcher, baseline, killed?)
     "c": ("c: dptrain run --recovery in-place", "dptrain", "u", True),
     "d": ("d: in-place --spares 1", "dptrain", "u", True),
     "c0": ("c0: in-place, no failure", "dptrain", "u", False),
+    "d0": ("d0: in-place --spares 1, no failure", "dptrain", "u", False),
     "e0": ("e0: uninterrupted, torchft", "torchft", None, False),
     "e": ("e: torchft (replica per rank, heal from a live peer)", "torchft", "e0", True),
 }
@@ -152,10 +155,10 @@ def command(variant: str, args, out: str, ckpt: str, kill: str | None) -> list[s
                     "--nproc-per-node", str(args.nproc), "--max-restarts", "1" if kill else "0"]
     else:
         launcher = [py, "-m", "dptrain", "run", "--nproc-per-node", str(args.nproc),
-                    "--max-restarts", "1" if kill or variant == "c0" else "0"]  # in-place needs >= 1
-        if variant in ("c", "d", "c0"):
+                    "--max-restarts", "1" if kill or variant in ("c0", "d0") else "0"]  # in-place needs >= 1
+        if variant in ("c", "d", "c0", "d0"):
             launcher += ["--recovery", "in-place"]
-        if variant == "d":
+        if variant in ("d", "d0"):
             launcher += ["--spares", "1"]
     job = [JOB, "--out", out, "--ckpt", ckpt, "--epochs", str(args.epochs), "--steps", str(args.steps),
            "--every", str(args.every), "--batch", str(args.batch), "--width", str(args.width),

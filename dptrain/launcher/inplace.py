@@ -240,7 +240,8 @@ class InPlaceRecovery:
                 return None
             return "resizable", (f"rank(s) {ranks_text(unable)} cannot share an epoch out anew on fewer ranks (every "
                                  f"loader, dev and test ones too, must use dptrain's DistributedSampler, e.g. from "
-                                 f"dptrain.prepare_dataloader, and the loop must be the Trainer's); restarting all ranks")
+                                 f"dptrain.prepare_dataloader, and the loop must be the Trainer's); restarting all "
+                                 f"ranks")
         missing = [r for r in range(world) if not store.check([recovery_key(attempt, f"capable/{r}")])]
         return "capable", (f"in-place recovery needs every rank to train with dptrain.Trainer or "
                            f"dptrain.RecoverableLoop on dptrain's DDP (rank(s) {ranks_text(missing)} did not say they "

@@ -192,7 +192,7 @@ class Elastic:
         running attempt (True, with ``admitted`` set; ``in_place``: in-place recovery, see
         ``resize``), or the job ends (False)."""
         self.admitted = None
-        when = "at the next restart, or at a step boundary once node 0 lets it in" if in_place else "at the next restart"
+        when = "at the next restart" + (", or at a step boundary once node 0 lets it in" if in_place else "")
         self.log(f"dptrain run: node {self.node_id} was not admitted to attempt {attempt} (it started without "
                  f"this node); waiting to join {when}")
         while True:

@@ -9,7 +9,9 @@ node 0's launcher, which hosts the store and cannot be the node lost, decides in
   every ``BEAT_S`` seconds, from a thread with its own connection, so that a watch loop busy
   with a replacement never looks like a dead node;
 * node 0 reads the beats once a second; a node whose beat has not moved for ``lost_s``
-  seconds (three rank heartbeat intervals and a second, as for a rank's heartbeat) is lost;
+  seconds (three rank heartbeat intervals and a second, as for a rank's heartbeat, but at most
+  half the collective timeout, which is how long the survivors wait for a new generation) is
+  lost;
 * with ``--nnodes MIN:MAX``, at least MIN nodes left, restarts left, and every rank able to
   go on in place on another world size (``recovery/resizable/<rank>``, written by a Trainer
   whose loaders can re-split an epoch), node 0 takes the next generation number and writes a
@@ -41,8 +43,8 @@ numbers; no rank is renumbered; ``joining`` names the new ranks), then
 launcher so admitted starts its ranks in that generation (``DPTRAIN_GENERATION``), as
 replacements: they build the script's model and Trainer and wait in the group's rendezvous
 (``dptrain._regroup.form``). The running ranks must meet them at a step boundary -- nothing
-fails to bring them there -- so every ``ADMIT_EVERY_STEPS`` (``dptrain.train.recovery``) optimizer steps and at each epoch
-end they check (``DPTRAIN_RECOVERY_ADMIT``, set for the ranks of an elastic job): rank 0 asks
+fails to bring them there -- so every ``ADMIT_EVERY_STEPS`` optimizer steps (see
+``dptrain.train.recovery``) and at each epoch end they check (``DPTRAIN_RECOVERY_ADMIT``, set for the ranks of an elastic job): rank 0 asks
 the store whether a newer generation is announced and all its newcomers have arrived
 (``dptrain._regroup.newcomers_ready``), and one all-reduce of that answer makes every rank
 take the same decision at the same step. Then they re-form the group and the newcomers get a
@@ -120,7 +122,8 @@ class Nodes:
         self._tokens = {m["token"] for m in self.members}  # launchers that were members: never let in again
         self._arrivals_read = 0  # arrivals at this attempt read so far (node 0)
         self._waiting: list[dict] = []  # launchers that arrived while the attempt runs, not let in yet
-        self.lost_s = recovery.fresh_s
+        # Within half the collective timeout at most: the survivors wait that long for a new generation.
+        self.lost_s = max(3 * BEAT_S, min(recovery.fresh_s, recovery.timeout_s / 2))
         self.dropped: str | None = None  # why this node was left out of the job (it then ends)
         self._seen: dict[int, tuple[int, float]] = {}  # node id -> (its beat, since when it has not moved)
         self._started = time.monotonic()

@@ -352,7 +352,9 @@ class InPlaceRecovery:
 
     # -- recovering ------------------------------------------------------------------------
     def can_recover(self, exc: BaseException) -> bool:
-        return self.active and (isinstance(exc, _NodeArrived) or (isinstance(exc, Exception) and _is_peer_failure(exc)))
+        if not self.active or not isinstance(exc, Exception):
+            return False
+        return isinstance(exc, _NodeArrived) or _is_peer_failure(exc)
 
     def recover(self, exc: BaseException) -> None:
         """A survivor's side: wait for the launcher's new generation, re-form the group, restore, go on.
@@ -524,14 +526,15 @@ class InPlaceRecovery:
         if t.rank != source:
             t.strategy.load_model_state_dict(t.model, shared["model"], source=where)
             t.strategy.load_optimizer_state_dict(t.optimizer, shared["optimizer"])
-        if resized_from is not None and t.scheduler is not None and "scheduler" in shared:
-            # Every rank, the source too: on another world size the schedule is re-planned from the
-            # progress, as a checkpoint resumed on another world size does (see schedule.py).
-            t._parts.scheduler.saved_world_size = resized_from
-            t._parts.scheduler.load_state_dict(shared["scheduler"])
-        if t.rank != source:
-            if t.scheduler is not None and "scheduler" in shared and resized_from is None:
+        if t.scheduler is not None and "scheduler" in shared:
+            if resized_from is not None:
+                # Every rank, the source too: on another world size the schedule is re-planned from the
+                # progress, as a checkpoint resumed on another world size does (see schedule.py).
+                t._parts.scheduler.saved_world_size = resized_from
+                t._parts.scheduler.load_state_dict(shared["scheduler"])
+            elif t.rank != source:
                 t.scheduler.load_state_dict(shared["scheduler"])
+        if t.rank != source:
             if t.scaler is not None and "scaler" in shared:
                 t.scaler.load_state_dict(shared["scaler"])
             t._parts.parts["callbacks"].load_state_dict(shared["callbacks"])
@@ -568,8 +571,8 @@ class InPlaceRecovery:
                 f"{said.get('why', 'the nodes changed')}, at step {progress['global_step']} (epoch "
                 f"{progress['epoch'] + 1}, batch {progress['batch_in_epoch']}); the job goes on with "
                 f"{self.trainer.world.world_size} ranks instead of {resized_from}, the rest of the epoch shared out "
-                f"anew among them as on a resume at another world size; state from rank {source} over the process group in "
-                f"{transfer_s:.3f} s{joined}; no process was restarted and no checkpoint was read",
+                f"anew among them as on a resume at another world size; state from rank {source} over the process "
+                f"group in {transfer_s:.3f} s{joined}; no process was restarted and no checkpoint was read",
                 file=sys.stderr, flush=True,
             )
             return
