@@ -38,6 +38,8 @@ __all__ = ["generation_key", "newest_generation", "wait_for_generation", "form",
 
 #: Written (rank 0) when a job that lets nodes in has finished: a newcomer still waiting to join exits.
 FINISHED = "recovery/finished"
+#: Seconds the members of a new generation wait for each other at least (see ``form``).
+ARRIVAL_WAIT_S = 120.0
 _POLL_S = 0.01  # a store check is ~0.1 ms: polling this often costs nothing and keeps recovery prompt
 
 
@@ -198,9 +200,15 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
 
     Raises:
         RuntimeError: this rank was left out of the job by a resize.
-        TimeoutError: not every member arrived within ``timeout``.
+        TimeoutError: not every member arrived within ``timeout`` (at least :data:`ARRIVAL_WAIT_S`).
+        JobFinished: the job finished before this rank (let in while it ran) could join it.
     """
-    deadline = time.monotonic() + timeout.total_seconds()
+    # Not the collective timeout alone: the members wait here for a replacement's start (a Python
+    # start, the torch import, the script up to its Trainer), seconds on a loaded machine however
+    # short the timeout a job sets to catch stalls. A replacement that dies instead is announced
+    # as a newer generation by its launcher, a lost node by node 0's, so the wait still ends.
+    wait_s = max(timeout.total_seconds(), ARRIVAL_WAIT_S)
+    deadline = time.monotonic() + wait_s
     g = newest_generation(keys, generation - 1)
     while True:
         here = world_at(keys, world, since, g)
@@ -210,16 +218,19 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
         arrived = f"recovery/g{g}/arrived"
         count = int(keys.add(arrived, 1))
         newer = False
+        # A rank of a node let in waits for the running ranks' next step boundary, however long their
+        # steps take (see [Note: a node coming back] in dptrain.launcher.resize): no deadline of its own.
+        newcomer = since == g and here.rank in (announcement(keys, g).get("joining") or [])
         while count < here.world_size:
             if keys.check([generation_key(g + 1)]):
                 newer = True
                 break
             if keys.check([FINISHED]):
                 raise JobFinished(f"rank {here.rank}: the job finished before this rank could join it")
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and not newcomer:
                 raise TimeoutError(
                     f"rank {here.rank}: only {count} of {here.world_size} ranks arrived for in-place recovery "
-                    f"(generation {g}) within {timeout.total_seconds():.0f}s"
+                    f"(generation {g}) within {wait_s:.0f}s"
                 )
             time.sleep(_POLL_S)
             count = int(keys.add(arrived, 0))

@@ -218,11 +218,13 @@ class InPlaceRecovery:
         self._end_stalled(running, attempt)
         return None
 
-    def forget_progress(self) -> None:
-        """Every rank gets a whole timeout afresh (after a recovery; heartbeats are read by rank number)."""
+    def forget_progress(self, renumbered: bool = False) -> None:
+        """Every rank gets a whole timeout afresh (after a recovery); ``renumbered``: the ranks' numbers
+        changed (see ``resize``), so what was seen of each number's heartbeat is another rank's."""
         self._since.clear()
         self._waits.clear()
-        self._beating.clear()
+        if renumbered:
+            self._beating.clear()
 
     def _blocker(self, attempt: int, resizing: bool = False) -> tuple[str, str] | None:
         """Why the failure at hand cannot be recovered in place (``resizing``: on another world

@@ -188,7 +188,7 @@ class Nodes:
             values = {"rank": new, "node_rank": layout.node_rank, "world_size": layout.world_size,
                       "num_nodes": layout.num_nodes}
             proc.environ.update({name: str(values[field]) for name, field in _RANK_VARS.items()})
-        self.recovery.forget_progress()  # heartbeats are read by rank number
+        self.recovery.forget_progress(renumbered=True)  # heartbeats are read by rank number
 
     # -- node 0 --------------------------------------------------------------------------------
     def _look_for_lost(self) -> str | None:

@@ -120,6 +120,17 @@ def _is_peer_failure(exc: BaseException) -> bool:
     return False
 
 
+def _announcement_wait_s() -> float:
+    """How long a survivor waits for the launcher to announce a recovery: the collective timeout, and
+    at least ``_regroup.ARRIVAL_WAIT_S``. A stall is announced only after the stalled rank has stood
+    still for the whole timeout and its launcher has seen that (a second or two more), and a lost
+    node after several of its launcher's beats; a failure that no launcher recovers in place ends
+    the job instead (the launcher stops every rank), so a longer wait never outlives the job."""
+    from dptrain import env
+
+    return max(env._STATE.timeout.total_seconds(), _regroup.ARRIVAL_WAIT_S)
+
+
 def _forget(exc: BaseException) -> None:
     """Clear the frames of a failed step's traceback: their locals (works, groups) keep the broken
     process group alive, and with it its connections (see :meth:`InPlaceRecovery._let_go`)."""
@@ -359,16 +370,15 @@ class InPlaceRecovery:
     def recover(self, exc: BaseException) -> None:
         """A survivor's side: wait for the launcher's new generation, re-form the group, restore, go on.
 
-        Raises ``exc`` again when no recovery is announced within the collective timeout.
+        Raises ``exc`` again when no recovery is announced within :func:`_announcement_wait_s`.
         """
         from dptrain import env
 
         failed_at = time.time()
         _forget(exc)
         self._drop_step()
-        timeout = env._STATE.timeout.total_seconds()
         try:
-            generation = _regroup.wait_for_generation(env._STATE.store, env._STATE.generation, timeout)
+            generation = _regroup.wait_for_generation(env._STATE.store, env._STATE.generation, _announcement_wait_s())
         except TimeoutError:
             raise exc from None  # (a node that arrived has its generation announced already)
         self.arrived = False
@@ -385,7 +395,6 @@ class InPlaceRecovery:
         that, start over at the next generation the launcher announces."""
         from dptrain import env
 
-        timeout = env._STATE.timeout.total_seconds()
         while True:
             try:
                 if reform:
@@ -399,7 +408,8 @@ class InPlaceRecovery:
                 _forget(again)
                 self._drop_step()
                 try:
-                    generation = _regroup.wait_for_generation(env._STATE.store, env._STATE.generation, timeout)
+                    generation = _regroup.wait_for_generation(env._STATE.store, env._STATE.generation,
+                                                              _announcement_wait_s())
                 except TimeoutError:
                     raise again from None
                 reform = True
