@@ -269,8 +269,7 @@ def test_a_hot_spare_becomes_the_replacement(fake):
     # The spare had imported torch and was running before the rank died; the script got its argv and env.
     assert replacement["torch"] is True and replacement["local_rank"] == 1
     gap = replacement["t"] - died["t"]
-    assert replacement["age"] > gap
-    assert gap < 5.0, gap  # loose: a fresh process would not be faster; the benchmark measures it
+    assert replacement["age"] > gap  # it existed before the rank died; how fast it took over is the benchmark's
     (end0,) = said(evts, "END", rank=0)
     assert end0["generations"][0]["spare"] is True
     # A new spare was started in its place (the replacement still runs as one), and is gone with the job.
