@@ -9,8 +9,8 @@ node 0's launcher, which hosts the store and cannot be the node lost, decides in
   every ``BEAT_S`` seconds, from a thread with its own connection, so that a watch loop busy
   with a replacement never looks like a dead node;
 * node 0 reads the beats once a second; a node whose beat has not moved for ``lost_s``
-  seconds (three rank heartbeat intervals and a second, as for a rank's heartbeat, but at most
-  half the collective timeout, which is how long the survivors wait for a new generation) is
+  seconds (three rank heartbeat intervals and a second, as for a rank's heartbeat; the
+  survivors wait for a new generation longer than that, see ``dptrain.train.recovery``) is
   lost;
 * with ``--nnodes MIN:MAX``, at least MIN nodes left, restarts left, and every rank able to
   go on in place on another world size (``recovery/resizable/<rank>``, written by a Trainer
@@ -122,11 +122,9 @@ class Nodes:
         self._tokens = {m["token"] for m in self.members}  # launchers that were members: never let in again
         self._arrivals_read = 0  # arrivals at this attempt read so far (node 0)
         self._waiting: list[dict] = []  # launchers that arrived while the attempt runs, not let in yet
-        # Within half the collective timeout at most: the survivors wait that long for a new generation.
-        self.lost_s = max(3 * BEAT_S, min(recovery.fresh_s, recovery.timeout_s / 2))
+        self.lost_s = recovery.fresh_s  # the survivors wait longer than this for a new generation
         self.dropped: str | None = None  # why this node was left out of the job (it then ends)
         self._seen: dict[int, tuple[int, float]] = {}  # node id -> (its beat, since when it has not moved)
-        self._started = time.monotonic()
         self._beat = _Beat(job.store_at, config.wait_s, self._beat_key(self.node_id)) if config.nnodes > 1 else None
 
     def _beat_key(self, node: int) -> str:
