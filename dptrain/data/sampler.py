@@ -244,7 +244,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                 "other; use pad=False for exact evaluation or drop_last=True for training"
             )
         self.dataset = dataset
-        self._place(num_replicas, rank)
+        self.num_replicas = num_replicas
+        self.rank = rank
         self.epoch = 0
         self.shuffle = shuffle
         self.seed = seed
@@ -262,10 +263,6 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self._epoch_set = False  # set_epoch was called since the last pass started
         self._warned_repeat = False  # the repeated-order warning was given (once per sampler)
 
-    def _place(self, num_replicas: int, rank: int) -> None:
-        self.num_replicas = num_replicas
-        self.rank = rank
-
     def _sizes(self) -> None:
         """``num_samples`` and ``total_size`` of a fresh epoch, as PyTorch's sampler has them."""
         n = _dataset_len(self.dataset)
@@ -282,7 +279,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         shares the rest of the epoch out among the new ranks (see [Note: resuming, and the rule
         for a different world size]). The caller loads the position every rank agrees on."""
         before = self.state_dict()
-        self._place(num_replicas, rank)
+        self.num_replicas, self.rank = num_replicas, rank
         self._sizes()
         self._history, self._consumed = [], 0
         self._resume_pending, self._prepared, self._current, self._shard_cache = False, None, None, None

@@ -65,7 +65,7 @@ from dptrain import _settings
 from dptrain._heartbeat import describe_exit, keys_prefix, recovery_key, where
 from dptrain._join import ranks_text
 from dptrain.launcher import store_values
-from dptrain.launcher.resize import Nodes
+from dptrain.launcher.resize import ENTRY_WAIT_S, Nodes
 from dptrain.launcher.spare import Spares
 from dptrain.launcher.watch import Watch, heartbeat
 from dptrain.launcher.workers import RankProcess, error_file, finish_output, read_error_file
@@ -262,7 +262,7 @@ class InPlaceRecovery:
         if restart > config.max_restarts:  # another node took the last one meanwhile
             return False
         if self.nodes is not None:  # the rank is named in the numbering of the generation before
-            self.nodes.catch_up(upto=generation, wait_s=5.0)
+            self.nodes.catch_up(upto=generation, wait_s=ENTRY_WAIT_S)
             if self.nodes.dropped is not None:
                 return False
         traceback = self._bury(failed, attempt)

@@ -62,13 +62,21 @@ class Membership:
     nodes: tuple[int, ...]
 
 
+def ranks_of(nodes: list[dict]) -> dict[int, list[int]]:
+    """node id -> the global ranks of its processes, for ``nodes`` (arrivals) in node-rank order."""
+    out, base = {}, 0
+    for n in nodes:
+        out[n["node"]] = list(range(base, base + n["nproc"]))
+        base += n["nproc"]
+    return out
+
+
 def place(nodes: list[dict], node_id: int) -> Membership | None:
     """``node_id``'s place among ``nodes`` (arrivals in node-rank order); None when it is not among them."""
     ids = [n["node"] for n in nodes]
     if node_id not in ids:
         return None
-    i = ids.index(node_id)
-    return Membership(node_rank=i, rank_base=sum(n["nproc"] for n in nodes[:i]), num_nodes=len(nodes),
+    return Membership(node_rank=ids.index(node_id), rank_base=ranks_of(nodes)[node_id][0], num_nodes=len(nodes),
                       world_size=sum(n["nproc"] for n in nodes), nodes=tuple(ids))
 
 

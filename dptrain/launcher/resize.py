@@ -44,8 +44,9 @@ launcher so admitted starts its ranks in that generation (``DPTRAIN_GENERATION``
 replacements: they build the script's model and Trainer and wait in the group's rendezvous
 (``dptrain._regroup.form``). The running ranks must meet them at a step boundary -- nothing
 fails to bring them there -- so every ``ADMIT_EVERY_STEPS`` optimizer steps (see
-``dptrain.train.recovery``) and at each epoch end they check (``DPTRAIN_RECOVERY_ADMIT``, set for the ranks of an elastic job): rank 0 asks
-the store whether a newer generation is announced and all its newcomers have arrived
+``dptrain.train.recovery``) and at each epoch end they check (``DPTRAIN_RECOVERY_ADMIT``, set
+for the ranks of an elastic job): rank 0 asks the store whether a newer generation is
+announced and all its newcomers have arrived
 (``dptrain._regroup.newcomers_ready``), and one all-reduce of that answer makes every rank
 take the same decision at the same step. Then they re-form the group and the newcomers get a
 live rank's state (see ``dptrain.train.recovery``). Waiting for the newcomers to arrive first
@@ -64,17 +65,18 @@ from typing import Any
 from dptrain._heartbeat import recovery_key
 from dptrain._join import ranks_text
 from dptrain.launcher import store_values
-from dptrain.launcher.membership import PREFIX, admitted_key, max_arrivals, place
+from dptrain.launcher.membership import PREFIX, admitted_key, max_arrivals, place, ranks_of
 from dptrain.launcher.rendezvous import failed_key
 from dptrain.launcher.store import StoreClient
 from dptrain.launcher.watch import publish
 
-__all__ = ["Nodes", "BEAT_S"]
+__all__ = ["Nodes", "BEAT_S", "ENTRY_WAIT_S"]
 
 #: Seconds between two beats of a launcher.
 BEAT_S = 0.5
-#: Seconds a generation number may be taken before its entry is written (``Nodes.sync`` waits that long).
-_ENTRY_WAIT_S = 5.0
+#: Seconds a generation number may be taken before its entry is written (``Nodes.catch_up`` before a
+#: replacement waits that long for it).
+ENTRY_WAIT_S = 5.0
 #: The variables of a rank's environment that a resize changes, and where their values come from.
 _RANK_VARS = {"RANK": "rank", "ROLE_RANK": "rank", "GROUP_RANK": "node_rank", "WORLD_SIZE": "world_size",
               "ROLE_WORLD_SIZE": "world_size", "GROUP_WORLD_SIZE": "num_nodes"}
@@ -209,7 +211,7 @@ class Nodes:
         """Resize the job without the ``lost`` nodes, or end the attempt (see the Note)."""
         job, config = self.job, self.job.config
         gone = {m["node"] for m in lost}
-        old = _places(self.members)
+        old = ranks_of(self.members)
         left = [m for m in self.members if m["node"] not in gone]
         lost_ranks = [r for m in lost for r in old[m["node"]]]
         silent = max(now - self._seen[m["node"]][1] for m in lost)
@@ -227,7 +229,7 @@ class Nodes:
             publish(job.store, failed_key(self.attempt), store_values.failure_text(config.node_rank, text))
             self.recovery.why_not = ("resize", f"in-place recovery cannot go on without a node: {why_not}")
             return text
-        new = _places(left)
+        new = ranks_of(left)
         renumber = [[o, n] for m in left for o, n in zip(old[m["node"]], new[m["node"]])]
         world = sum(m["nproc"] for m in left)
         entry = {"kind": "resize", "nodes": left, "why": what, "renumber": renumber, "world_size": world,
@@ -274,7 +276,7 @@ class Nodes:
     def _admit(self, chosen: list[dict]) -> None:
         job, config, store = self.job, self.job.config, self.job.store
         nodes = self.members + chosen
-        old, new = _places(self.members), _places(nodes)
+        old, new = ranks_of(self.members), ranks_of(nodes)
         joining = [r for a in chosen for r in new[a["node"]]]
         world = sum(m["nproc"] for m in nodes)
         ids = ", ".join(str(a["node"]) for a in chosen)
@@ -305,11 +307,3 @@ class Nodes:
         blocker = self.recovery._blocker(self.attempt, resizing=True)
         return None if blocker is None else blocker[1]
 
-
-def _places(nodes: list[dict]) -> dict[int, list[int]]:
-    """node id -> the global ranks of its processes, for ``nodes`` in node-rank order."""
-    out, base = {}, 0
-    for m in nodes:
-        out[m["node"]] = list(range(base, base + m["nproc"]))
-        base += m["nproc"]
-    return out

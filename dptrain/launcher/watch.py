@@ -164,7 +164,8 @@ class Watch:
                 out[r] = {"op": "", "ddp_steps": entry["ddp_steps"], "gone": "exited with code 0"}
         return out
 
-    def run(self, check: Callable[[list[RankProcess]], str | None] | None = None) -> tuple[RankProcess | None, str | None]:
+    def run(self, check: Callable[[list[RankProcess]], str | None] | None = None
+            ) -> tuple[RankProcess | None, str | None]:
         """Wait until all ranks exit 0 (None, None), a local rank fails (rank, None), a peer
         node fails (None, why), or a signal arrives (None, None; see ``signals``).
 

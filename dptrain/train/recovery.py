@@ -232,9 +232,9 @@ class InPlaceRecovery:
         self.recoveries = 0
         self.joined_from: str | None = None  # a replacement: what it got its state from
         self.arrived = False  # every rank agreed, at the last boundary, that a node let in is ready
+        self.resizable = self.active and _not_resizable(trainer) is None  # see [Note: going on without a node]
         # Nodes may be let in while the job runs: every rank takes part in the check (see the Note).
-        self.admitting = (self.active and _settings.get("DPTRAIN_RECOVERY_ADMIT")
-                          and _not_resizable(trainer) is None)
+        self.admitting = self.resizable and _settings.get("DPTRAIN_RECOVERY_ADMIT")
 
     # -- commits -------------------------------------------------------------------------
     def _own_state(self, loss_sum: torch.Tensor, count: int) -> _Snapshot:
@@ -353,7 +353,7 @@ class InPlaceRecovery:
         trainer = self.trainer
         if self.active:
             env._STATE.store.set(f"recovery/capable/{trainer.rank}", "1")
-            if _not_resizable(trainer) is None:  # see [Note: going on without a node]
+            if self.resizable:
                 env._STATE.store.set(f"recovery/resizable/{trainer.rank}", "1")
             if self.seq < 0:
                 self.commit(trainer.state.batch_in_epoch, prepared=False, boundary=False)
@@ -573,8 +573,8 @@ class InPlaceRecovery:
 
         said = _regroup.announcement(env._STATE.store, generation)
         progress = shared["train_state"]
+        new = [s["rank"] for s in statuses if s["replacement"]]
         if resized_from is not None:
-            new = [s["rank"] for s in statuses if s["replacement"]]
             joined = f"; rank(s) {', '.join(map(str, new))} joined with it" if new else ""
             print(
                 f"dptrain: {'recovered in place' if said.get('lost') else 'grew in place'} (generation {generation}): "
@@ -586,7 +586,6 @@ class InPlaceRecovery:
                 file=sys.stderr, flush=True,
             )
             return
-        new = [s["rank"] for s in statuses if s["replacement"]]
         since = [s["failed_at"] for s in statuses if s["failed_at"] is not None]
         waited = f"{time.time() - min(since):.2f} s" if since else "?"
         size = sum(v.numel() * v.element_size() for v in shared["model"].values())
