@@ -39,7 +39,11 @@ def _run(out, nproc, kills="", ckpt=None, *extra, restarts=6, timeout=200, scrip
                **env_vars)
     cmd = [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", str(nproc), "--recovery", "in-place",
            "--max-restarts", str(restarts), *extra, script]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(out), env=env)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(out), env=env)
+    except subprocess.TimeoutExpired as stuck:
+        said = (stuck.stderr or b"").decode(errors="replace") + (stuck.stdout or b"").decode(errors="replace")
+        pytest.fail(f"the job did not end in {timeout} s; its last output:\n{said[-6000:]}")
     assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
     return done.stdout + done.stderr
 

@@ -30,7 +30,10 @@ node counts the same.
 
 [Note: when a rank counts as stalled]
 A rank that stalls is ended and replaced like one that died: its heartbeat (see [Note:
-heartbeats] in ``dptrain._heartbeat``) stands still outside any collective for longer than
+heartbeats] in ``dptrain._heartbeat``) stands still outside any collective -- or stops
+altogether, its ``t`` not written anew for ``FRESH_BEATS`` intervals (a process stopped by
+SIGSTOP or a debugger, or in a call that holds the GIL: its last heartbeat, written up to one
+interval before, may still say it waits in a collective it has left) -- for longer than
 the collective timeout (``--timeout``, ``DPTRAIN_TIMEOUT``), and another rank has waited in
 one collective (the same ``op`` and ``seq``) all that time -- so long that its wait has timed
 out or is about to -- or says that a collective of its own failed (``failed``: it waits for
@@ -123,7 +126,8 @@ class InPlaceRecovery:
         self._counts: dict[int, int] = {}  # generations of attempts that ended
         self._since: dict[int, tuple[tuple, float]] = {}  # rank -> (its heartbeat's state, since when)
         self._waits: dict[int, tuple[tuple, float]] = {}  # another rank -> (the collective it waits in, seen since)
-        self._beating: dict[int, tuple[float, float]] = {}  # another rank -> (its heartbeat's t, seen changing when)
+        # rank -> (its heartbeat's t, seen first or changing when, seen changing at all)
+        self._beating: dict[int, tuple[float, float, bool]] = {}
         self._first_t: dict[int, float] = {}  # pid of a rank of this node -> the t of its first heartbeat seen
         beat_s = _settings.get("DPTRAIN_HEARTBEAT_S")
         # How long a rank of this node stands still before the others' waits are watched.
@@ -326,7 +330,8 @@ class InPlaceRecovery:
             seen = self._since.get(proc.rank)
             if seen is None or seen[0] != state:
                 self._since[proc.rank] = (state, now)
-            elif not beat["op"] and now - seen[1] >= self.watch_after_s and not self._leaving(attempt, proc):
+            elif (now - seen[1] >= self.watch_after_s and (not beat["op"] or self._frozen(proc.rank, beat, now))
+                  and not self._leaving(attempt, proc)):
                 idle_ranks.append((proc, beat, now - seen[1]))
         if not idle_ranks:
             self._waits.clear()
@@ -369,13 +374,24 @@ class InPlaceRecovery:
             out[rank] = (f"{beat['op']} #{beat['seq']}", now - seen[1])
         return out
 
-    def _alive(self, rank: int, beat: dict, now: float) -> bool:
-        """Whether ``rank``'s heartbeat was written anew within ``fresh_s`` (first sight: not yet known, so no)."""
+    def _still(self, rank: int, beat: dict, now: float) -> tuple[bool, float]:
+        """Record ``rank``'s heartbeat time: (whether it was ever seen changing, seconds it has not
+        changed since this launcher first saw it or saw it change)."""
         seen = self._beating.get(rank)
         if seen is None or seen[0] != beat["t"]:
-            self._beating[rank] = (beat["t"], now if seen is not None else float("-inf"))
-            return seen is not None
-        return now - seen[1] <= self.fresh_s
+            self._beating[rank] = (beat["t"], now, seen is not None)
+            return seen is not None, 0.0
+        return seen[2], now - seen[1]
+
+    def _alive(self, rank: int, beat: dict, now: float) -> bool:
+        """Whether ``rank``'s heartbeat was written anew within ``fresh_s`` (first sight: not yet known, so no)."""
+        changing, still = self._still(rank, beat, now)
+        return changing and still <= self.fresh_s
+
+    def _frozen(self, rank: int, beat: dict, now: float) -> bool:
+        """Whether ``rank``'s heartbeat has not been written anew for longer than ``fresh_s``: the whole
+        process stands still (stopped, or a call that holds the GIL), whatever its last heartbeat said."""
+        return self._still(rank, beat, now)[1] > self.fresh_s
 
     def _leaving(self, attempt: int, proc: RankProcess) -> bool:
         """Whether ``proc`` wrote its ``left`` note (it is shutting down) since its first heartbeat."""

@@ -420,3 +420,20 @@ def test_a_rank_that_is_leaving_or_a_heartbeat_of_another_process_is_no_stall(st
     stalls.client.delete_key("dptrain/attempt0/dp/left/1")
     # The heartbeat is the replaced process's (another pid): the replacement is not judged by it.
     assert stalls.run(20, waiting, rank1=lambda now: (4, "", 0.0, False, 999)) == []
+
+
+def test_a_rank_stopped_whole_is_ended_whatever_its_last_heartbeat_said(stalls):
+    # Rank 1 was stopped (SIGSTOP) just after its last heartbeat said it was inside a collective;
+    # the heartbeat never changes again. Rank 0's collective with it failed; it waits for the recovery.
+    failed = lambda now: (12, "", now, True)  # noqa: E731
+    frozen = lambda now: (5, "DDP buffer broadcast (forward)", 0.0)  # noqa: E731
+    assert stalls.run(10, failed, rank1=frozen) == []  # not before the timeout
+    assert stalls.run(4, failed, rank1=frozen) == [(1, signal.SIGKILL)]
+    assert "rank 1 (local rank 1, pid 101) made no progress" in stalls.lines[0]
+    assert "while rank 0 waited in a collective that failed" in stalls.lines[0]
+
+
+def test_a_rank_in_a_long_collective_whose_heartbeat_goes_on_is_no_stall(stalls):
+    # Both wait in the same slow collective and both heartbeats are alive: neither is a stall.
+    waiting = lambda now: (5, "all_reduce", now)  # noqa: E731
+    assert stalls.run(30, waiting, rank1=waiting) == []
