@@ -130,28 +130,33 @@ def reset_progress() -> None:
     _progress.update(seq=0, op="", ticks=0, ddp_steps=0, failed=False)
 
 
-def _loop(store: Any, rank: int, interval: float, stop_event: threading.Event) -> None:
+def _loop(store: Any, rank: int, interval: float, stop_event: threading.Event, also: Any) -> None:
     while not stop_event.is_set():
         entry = dict(_progress, t=time.time(), pid=os.getpid())
         try:
             store.set(key("hb", rank), json.dumps(entry))
         except Exception:  # noqa: BLE001 - the store is gone: the job is ending
             return
+        if also is not None:
+            try:
+                also()
+            except Exception:  # noqa: BLE001 - a store gone fails the next write; the beat goes on meanwhile
+                pass
         stop_event.wait(interval)
 
 
 _thread: dict[str, Any] = {}
 
 
-def start(store: Any, rank: int, interval: float | None = None) -> None:
+def start(store: Any, rank: int, interval: float | None = None, also: Any = None) -> None:
     """Publish this rank's progress to ``store`` every ``interval`` seconds (default ``DPTRAIN_HEARTBEAT_S``).
 
-    A daemon thread does it. Raises ``SettingError`` when ``DPTRAIN_HEARTBEAT_S`` is not a number of seconds.
+    A daemon thread does it, and calls ``also()`` (no arguments) after each write. Raises ``SettingError`` when ``DPTRAIN_HEARTBEAT_S`` is not a number of seconds.
     """
     interval = interval or _settings.get("DPTRAIN_HEARTBEAT_S")
     stop()
     stop_event = threading.Event()
-    thread = threading.Thread(target=_loop, args=(store, rank, interval, stop_event), daemon=True,
+    thread = threading.Thread(target=_loop, args=(store, rank, interval, stop_event, also), daemon=True,
                               name="dptrain-heartbeat")
     thread.start()
     _thread.update(stop=stop_event, thread=thread)

@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import socket
+import threading
 import time
 from typing import Any, Iterator
 
@@ -34,7 +35,7 @@ from dptrain import _heartbeat
 
 __all__ = ["generation_key", "newest_generation", "wait_for_generation", "form", "world_at", "newcomers_ready",
            "JobFinished", "FINISHED", "announcement", "prefixed",
-           "recording_connections", "cut_connections"]
+           "recording_connections", "cut_connections", "leave_if_broken", "on_leaving"]
 
 #: Written (rank 0) when a job that lets nodes in has finished: a newcomer still waiting to join exits.
 FINISHED = "recovery/finished"
@@ -54,7 +55,22 @@ _POLL_S = 0.01  # a store check is ~0.1 ms: polling this often costs nothing and
 # group is destroyed; both sides' collectives then fail at once. A descriptor is shut down only
 # while it still refers to the very socket noted (its inode), so a number reused since is never
 # touched. Linux only (/proc).
+#
+# [Note: a peer that goes silent]
+# A node that freezes or drops off the network (a kernel hang, a cut cable, power lost) closes
+# nothing: a survivor blocked with it in a gloo collective would wait the whole collective
+# timeout (600 s by default). Node 0's launcher declares the node lost within seconds and
+# announces a generation without it, so every rank's heartbeat thread looks for such an
+# announcement (:func:`leave_if_broken`) and, when one came after the group it is in, cuts
+# that group's connections and aborts its shared-memory groups (``on_leaving``): the
+# collective in flight fails at once and the survivor recovers. A generation that only lets a
+# node in breaks nothing and is left to the step boundary. ``_GROUP_LOCK`` makes the check and
+# the cut one step against the main thread noting a newer group's sockets, so a group formed
+# for that very generation is never cut.
 _group_sockets: dict[int, str] = {}
+_group_generation = [0]  # the generation of the group whose sockets are noted
+_GROUP_LOCK = threading.Lock()
+_on_leaving: list[Any] = []  # called with a reason, under _GROUP_LOCK, when the heartbeat thread cuts
 
 
 def _sockets() -> dict[int, str]:
@@ -74,16 +90,54 @@ def _sockets() -> dict[int, str]:
 
 
 @contextlib.contextmanager
-def recording_connections() -> Iterator[None]:
-    """Note the sockets a process group opens while the block runs (see the note above)."""
+def recording_connections(generation: int = 0) -> Iterator[None]:
+    """Note the sockets a process group (of ``generation``) opens while the block runs (see the note above)."""
     before = _sockets()
     yield
-    _group_sockets.clear()
-    _group_sockets.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
+    with _GROUP_LOCK:
+        _group_sockets.clear()
+        _group_sockets.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
+        _group_generation[0] = generation
+
+
+def on_leaving(fn: Any) -> None:
+    """Register ``fn(reason)``: abandon what else runs over the group when the heartbeat thread
+    cuts it (see [Note: a peer that goes silent]); it must not wait for the main thread."""
+    if fn not in _on_leaving:
+        _on_leaving.append(fn)
+
+
+def leave_if_broken(keys: Any, current: int) -> bool:
+    """The heartbeat thread's look (see [Note: a peer that goes silent]): when a generation after
+    ``current`` is announced for a failure (a node lost, a rank dead), cut the group of an older
+    generation; True when it did."""
+    g = newest_generation(keys, current)
+    if g == current:
+        return False
+    said = [announcement(keys, n) for n in range(current + 1, g + 1)]
+    if all(entry.get("joining") for entry in said):  # only letting a node in: the step boundary takes it
+        return False
+    with _GROUP_LOCK:
+        if _group_generation[0] >= g:
+            return False  # the main thread formed that generation's group already
+        why = f"in-place recovery announced generation {g} ({said[-1].get('why') or 'a rank failed'})"
+        for fn in list(_on_leaving):
+            try:
+                fn(why)
+            except Exception:  # noqa: BLE001 - the cut below still makes the collective fail
+                pass
+        _cut_noted()
+        _group_generation[0] = g  # cut once
+    return True
 
 
 def cut_connections() -> int:
     """Shut down the sockets of the group noted last; returns how many were shut down."""
+    with _GROUP_LOCK:
+        return _cut_noted()
+
+
+def _cut_noted() -> int:
     cut = 0
     for fd, link in list(_group_sockets.items()):
         try:
@@ -238,6 +292,6 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
             g = newest_generation(keys, g)
             continue
         store = prefixed(base, here.launch_attempt, f"{_heartbeat.PROCESS_GROUP_PART}/gen{g}")
-        with recording_connections():
+        with recording_connections(g):
             dist.init_process_group(backend, store=store, rank=here.rank, world_size=here.world_size, timeout=timeout)
         return g, here

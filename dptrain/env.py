@@ -222,7 +222,7 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
         keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART)
         _STATE.base_store = base
         keys.append("joined", f"{world.rank},")
-        with _regroup.recording_connections() if _settings.get("DPTRAIN_RECOVERY") == "in-place" else nullcontext():
+        with _regroup.recording_connections(0) if _in_place() else nullcontext():
             dist.init_process_group(backend, store=_prefixed(base, world, _heartbeat.PROCESS_GROUP_PART),
                                     rank=world.rank, world_size=world.world_size, timeout=td)
         _join.wait_until_all_ready(keys, world.world_size, td)
@@ -308,7 +308,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         _diagnostics.configure(_STATE.store, td)  # what the guarded collectives need to explain a failure
         if _STATE.generation:
             _diagnostics.new_generation(_STATE.generation)  # a replacement counts collectives as the survivors do
-        _heartbeat.start(_STATE.store, world.rank)
+        _start_heartbeat(world.rank)
         # A script that never calls shutdown() must still exit cleanly: a heartbeat thread or
         # process group torn down by the interpreter's exit aborts the process instead.
         # (Registered on every init; unregister first so repeated init/shutdown cycles keep one.)
@@ -318,6 +318,18 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         _diagnostics.configure(None, td)
     _STATE.world, _STATE.backend, _STATE.timeout = world, chosen, td
     return world
+
+
+def _in_place() -> bool:
+    return _settings.get("DPTRAIN_RECOVERY") == "in-place"
+
+
+def _start_heartbeat(rank: int) -> None:
+    """The rank's heartbeat; under in-place recovery it also leaves a group that a silent node broke
+    (see [Note: a peer that goes silent] in :mod:`dptrain._regroup`)."""
+    keys = _STATE.store
+    also = (lambda: _regroup.leave_if_broken(keys, _STATE.generation)) if _in_place() else None
+    _heartbeat.start(keys, rank, also=also)
 
 
 def _reform(generation: int) -> int:
@@ -350,7 +362,7 @@ def _reform(generation: int) -> int:
     if world != old:  # the job went on without a node: this rank's number or the world size changed
         _STATE.world = world
         _set_world_environ(world)
-        _heartbeat.start(_STATE.store, world.rank)  # the launcher reads it by rank number
+        _start_heartbeat(world.rank)  # the launcher reads it by rank number
     return g
 
 

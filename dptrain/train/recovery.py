@@ -574,20 +574,21 @@ class InPlaceRecovery:
         said = _regroup.announcement(env._STATE.store, generation)
         progress = shared["train_state"]
         new = [s["rank"] for s in statuses if s["replacement"]]
+        since = [s["failed_at"] for s in statuses if s["failed_at"] is not None]
+        waited = f"{time.time() - min(since):.2f} s" if since else "?"
         if resized_from is not None:
             joined = f"; rank(s) {', '.join(map(str, new))} joined with it" if new else ""
             print(
                 f"dptrain: {'recovered in place' if said.get('lost') else 'grew in place'} (generation {generation}): "
                 f"{said.get('why', 'the nodes changed')}, at step {progress['global_step']} (epoch "
-                f"{progress['epoch'] + 1}, batch {progress['batch_in_epoch']}); the job goes on with "
+                f"{progress['epoch'] + 1}, batch {progress['batch_in_epoch']}); "
+                + (f"the survivors waited {waited}; " if since and said.get("lost") else "") + f"the job goes on with "
                 f"{self.trainer.world.world_size} ranks instead of {resized_from}, the rest of the epoch shared out "
                 f"anew among them as on a resume at another world size; state from rank {source} over the process "
                 f"group in {transfer_s:.3f} s{joined}; no process was restarted and no checkpoint was read",
                 file=sys.stderr, flush=True,
             )
             return
-        since = [s["failed_at"] for s in statuses if s["failed_at"] is not None]
-        waited = f"{time.time() - min(since):.2f} s" if since else "?"
         size = sum(v.numel() * v.element_size() for v in shared["model"].values())
         who = f"rank {said.get('rank', '?')}" + (f" (pid {said['pid']})" if said.get("pid") else "")
         why = said.get("why", "failed")

@@ -1,9 +1,12 @@
 """In-place recovery when nodes come and go (``--nnodes MIN:MAX --recovery in-place``).
 
 Across network-namespace "nodes", three of one rank each: nodes 0 and 2 in one namespace, node 1
-in the other. Node 1 is killed for good (its launcher and its rank) in the middle of the first
-epoch. Node 0's launcher notices that node 1's launcher stopped answering and announces a resize;
-the two surviving ranks keep their processes, re-form the process group as ranks 0 and 1 (node
+in the other. Node 1 goes silent in the middle of the first epoch: every process of it is
+stopped (SIGSTOP), so its connections stay open and say nothing, as a node that hangs or drops
+off the network does -- the survivors' collective with it would wait the whole collective
+timeout (300 s here). Node 0's launcher notices that node 1's launcher stopped answering and
+announces a resize; the survivors' heartbeat threads see it and cut the broken group; the two
+surviving ranks keep their processes, re-form the process group as ranks 0 and 1 (node
 2's rank 2 becomes rank 1) and go on. Then node 1 is started again; node 0 lets it in and its
 rank joins at a step boundary with a live rank's state. No restart, no checkpoint (the job has
 none), and every sample of each epoch is trained on exactly once, counting for every step only
@@ -32,10 +35,10 @@ SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_elastic.py")
 SAMPLES = 240
 
 
-def _launch(ns, node_rank, port, seen, extra=("--epochs", "2")):
+def _launch(ns, node_rank, port, seen, extra=("--epochs", "2"), timeout=30):
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dptrain", "run", "--nnodes", "2:3", "--node-rank",
            str(node_rank), "--nproc-per-node", "1", "--master-addr", ADDR[0], "--master-port", str(port),
-           "--recovery", "in-place", "--max-restarts", "2", "--join-timeout", "20", "--timeout", "30",
+           "--recovery", "in-place", "--max-restarts", "2", "--join-timeout", "20", "--timeout", str(timeout),
            SCRIPT, "--seen", seen, "--per-process", *extra]
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env.update(PYTHONPATH=ROOT, DPTRAIN_HEARTBEAT_S="0.5")
@@ -67,8 +70,16 @@ def _trained(records):
     return [r for r in records if r[0] == newest[r[1], r[2]]]
 
 
+def _signal_namespace(ns, sig):
+    for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+        try:
+            os.kill(int(pid), sig)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_node_lost_for_good_then_back_the_job_goes_on_in_place_each_sample_once(two_nodes, tmp_path):
-    """Node 1 is lost: the job goes on with nodes 0 and 2, node 2's rank renumbered 2 -> 1. Then node 1
+    """Node 1 goes silent (lost): the job goes on with nodes 0 and 2, node 2's rank renumbered 2 -> 1. Then node 1
     is started again: node 0 lets it in, and its rank joins at a step boundary with the state of a live
     rank (as rank 2, after node 2's). The two survivors never restart."""
     seen = tmp_path / "seen"
@@ -76,19 +87,22 @@ def test_a_node_lost_for_good_then_back_the_job_goes_on_in_place_each_sample_onc
     shm_before = set(glob.glob("/dev/shm/dptrain_recovery_*"))
     port = 29633
     epochs = ("--epochs", "4")
-    nodes = [_launch(two_nodes[0], 0, port, str(seen), epochs), _launch(two_nodes[1], 1, port, str(seen), epochs),
-             _launch(two_nodes[0], 2, port, str(seen), epochs)]
+    # A collective timeout far past the deadlines below: only leaving the broken group at the
+    # announcement lets the survivors go on in time.
+    nodes = [_launch(two_nodes[n % 2], n, port, str(seen), epochs, timeout=300) for n in (0, 1, 2)]
     try:
         deadline = time.monotonic() + 90
         while _steps(str(seen)) < 6:
             assert time.monotonic() < deadline and nodes[0].poll() is None, "the job did not reach step 6"
             time.sleep(0.1)
-        _kill_namespace(two_nodes[1])
-        nodes[1].communicate()
+        _signal_namespace(two_nodes[1], signal.SIGSTOP)
+        silent = time.monotonic()
         while 1 not in _generations(str(seen)):
-            assert time.monotonic() < deadline and nodes[0].poll() is None, "the job did not go on without node 1"
+            assert time.monotonic() < silent + 60 and nodes[0].poll() is None, "the job did not go on without node 1"
             time.sleep(0.1)
-        nodes[1] = _launch(two_nodes[1], 1, port, str(seen), epochs)  # a new launcher on the same node
+        _kill_namespace(two_nodes[1])  # the silent node ends for good
+        nodes[1].communicate()
+        nodes[1] = _launch(two_nodes[1], 1, port, str(seen), epochs, timeout=300)  # a new launcher on the same node
         outs = [p.communicate(timeout=150) for p in nodes]
     finally:
         for p in nodes:
@@ -106,7 +120,8 @@ def test_a_node_lost_for_good_then_back_the_job_goes_on_in_place_each_sample_onc
     assert "node(s) 1 (rank(s) 1) stopped answering" in err0, err0[-3000:]
     assert ("in-place recovery: the job goes on without it, with 2 rank(s) on node(s) 0, 2 (generation 1, restart 1 "
             "of 2); rank(s) 2->1 renumbered" in err0), err0[-3000:]
-    assert "recovered in place (generation 1)" in err0 and "goes on with 2 ranks instead of 3" in err0
+    assert re.search(r"recovered in place \(generation 1\): .*; the survivors waited \d+\.\d\d s; the job goes on with 2 "
+                     r"ranks instead of 3", err0), err0[-3000:]
     assert re.search(r"node\(s\) 1 arrived \(rank\(s\) 2\); in-place recovery lets it in: the job goes on with 3 "
                      r"rank\(s\) on node\(s\) 0, 2, 1", err0), err0[-3000:]
     assert "waiting to join at the next restart, or at a step boundary once node 0 lets it in" in err1, err1

@@ -1,0 +1,74 @@
+"""Leaving a group that a silent peer broke (see [Note: a peer that goes silent] in dptrain._regroup).
+
+A peer that stops answering without closing its connections (a node that hangs or drops off the
+network) would hold a survivor's gloo collective for the whole collective timeout. Under in-place
+recovery the heartbeat thread of every rank looks for the launcher's announcement of a generation
+without it and cuts the broken group, so the collective fails at once and the rank recovers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from dptrain import _regroup
+from tests._dist import run_ranks, set_event, wait_event
+
+LOST = {"kind": "resize", "why": "node(s) 1 (rank(s) 1) stopped answering", "lost": [1], "rank": [1]}
+
+
+def _silent_peer(rank, events):
+    from dptrain import env
+
+    dist.all_reduce(torch.ones(4))  # the group works
+    if rank == 1:  # alive, connections open, but it never issues the next collective
+        wait_event(events / "done")
+        return None
+    env._STATE.store.set(_regroup.generation_key(1), json.dumps(LOST))  # the launcher's announcement
+    began = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+    except RuntimeError as exc:
+        failed = (time.monotonic() - began, str(exc)[:200])
+    else:
+        failed = None
+    set_event(events / "done")
+    return failed
+
+
+def test_a_collective_with_a_silent_peer_fails_once_a_failure_is_announced(tmp_path):
+    env = {"DPTRAIN_RECOVERY": "in-place", "DPTRAIN_HEARTBEAT_S": "0.2", "DPTRAIN_TIMEOUT": "60"}
+    failed, _ = run_ranks(_silent_peer, 2, tmp_path, env=env, timeout=100)
+    assert failed is not None, "the all-reduce with a silent peer completed"
+    assert failed[0] < 20, f"it failed only after {failed[0]:.0f}s (the collective timeout is 60s): {failed[1]}"
+
+
+class _Keys(dict):
+    """The few store calls the look needs, on a dict."""
+
+    def check(self, names):
+        return all(n in self for n in names)
+
+    def get(self, name):
+        return self[name].encode()
+
+
+def test_a_node_let_in_or_a_group_formed_for_the_generation_is_not_cut(monkeypatch):
+    cuts, said = [], []
+    monkeypatch.setattr(_regroup, "_cut_noted", lambda: cuts.append(1) or 0)
+    monkeypatch.setattr(_regroup, "_on_leaving", [said.append])
+    monkeypatch.setattr(_regroup, "_group_generation", [0])
+    keys = _Keys()
+    assert not _regroup.leave_if_broken(keys, 0)  # nothing announced
+    keys[_regroup.generation_key(1)] = json.dumps({"kind": "resize", "joining": [2], "why": "node 1 arrived"})
+    assert not _regroup.leave_if_broken(keys, 0) and not cuts  # a node let in: the step boundary takes it
+    keys[_regroup.generation_key(2)] = json.dumps(LOST)
+    _regroup._group_generation[0] = 2  # the main thread formed generation 2's group already
+    assert not _regroup.leave_if_broken(keys, 0) and not cuts
+    _regroup._group_generation[0] = 1
+    assert _regroup.leave_if_broken(keys, 1) and cuts == [1]
+    assert "generation 2 (node(s) 1 (rank(s) 1) stopped answering)" in said[0]
+    assert not _regroup.leave_if_broken(keys, 1) and cuts == [1]  # once
