@@ -151,7 +151,8 @@ _thread: dict[str, Any] = {}
 def start(store: Any, rank: int, interval: float | None = None, also: Any = None) -> None:
     """Publish this rank's progress to ``store`` every ``interval`` seconds (default ``DPTRAIN_HEARTBEAT_S``).
 
-    A daemon thread does it, and calls ``also()`` (no arguments) after each write. Raises ``SettingError`` when ``DPTRAIN_HEARTBEAT_S`` is not a number of seconds.
+    A daemon thread does it, and calls ``also()`` (no arguments; default None: nothing) after each
+    write. Raises ``SettingError`` when ``DPTRAIN_HEARTBEAT_S`` is not a number of seconds.
     """
     interval = interval or _settings.get("DPTRAIN_HEARTBEAT_S")
     stop()
