@@ -335,3 +335,20 @@ def test_work_wait_honours_its_timeout_and_names_the_operation(tmp_path):
     assert early == "test all-reduce #1: not done within the 0.2s given to Work.wait(timeout=)", early
     assert total == peer == [3.0] * 8
     assert threads == []
+
+
+def test_a_works_then_callbacks_run_before_any_wait_returns():
+    # What the profiler's event for a shared-memory all-reduce relies on (dptrain.parallel.ddp._profiling):
+    # it ends before the caller can go on, never after.
+    from dptrain._shm.group import Work
+
+    work, seen = Work("test"), []
+    work.then(lambda: seen.append(("first", work.is_completed())))
+    finisher = threading.Thread(target=lambda: (time.sleep(0.05), work._finish()))
+    finisher.start()
+    work.wait()
+    assert seen == [("first", False)]  # ran, and before the work counted as done
+    work.then(lambda: seen.append(("late", work.is_completed())))  # done already: runs here, at once
+    assert seen[-1] == ("late", True)
+    work.then(lambda: 1 / 0)  # a failing callback is not the collective's failure
+    finisher.join()

@@ -54,12 +54,33 @@ class Work:
     did not arrive in time), or when it is not done within the ``timeout`` given to ``wait``.
     """
 
-    __slots__ = ("_done", "_error", "what")
+    __slots__ = ("_done", "_error", "what", "_then")
 
     def __init__(self, what: str = "shared-memory collective") -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self.what = what
+        self._then: list[Callable[[], None]] = []
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once the collective is done, before any ``wait`` returns (on the worker
+        thread; at once, on this thread, when it is done already). Exceptions are ignored."""
+        with _THEN_LOCK:
+            if not self._done.is_set():
+                self._then.append(fn)
+                return
+        _quietly(fn)
+
+    def _finish(self) -> None:
+        """The worker's end of a collective: the ``then`` callbacks, then ``done``."""
+        while True:
+            with _THEN_LOCK:  # a callback added meanwhile runs too: none is left behind
+                pending, self._then = self._then, []
+                if not pending:
+                    self._done.set()
+                    return
+            for fn in pending:
+                _quietly(fn)
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until done, at most ``timeout`` (a ``timedelta`` or seconds) when one is given.
@@ -81,6 +102,16 @@ class Work:
 
     def is_completed(self) -> bool:
         return self._done.is_set()
+
+
+_THEN_LOCK = threading.Lock()  # Work.then against the worker's finish (one for all: held for a moment)
+
+
+def _quietly(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - a callback's failure is not the collective's
+        pass
 
 
 def _through_slot(seg: "_Segment", offset: int, slot: torch.Tensor, tensor: torch.Tensor, op: str,
@@ -105,8 +136,10 @@ class _Runner:
         self.lock = threading.Lock()
         _RUNNERS.add(self)
 
-    def submit(self, fn: Callable[[], None], what: str) -> Work:
+    def submit(self, fn: Callable[[], None], what: str, then: Callable[[], None] | None = None) -> Work:
         work = Work(what)
+        if then is not None:
+            work.then(then)
         with self.lock:
             if self.seg.closed or self.seg.aborted is not None:
                 raise RuntimeError(f"{self.seg.what}: the shared-memory group was closed")
@@ -127,7 +160,7 @@ class _Runner:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 work._error = exc
-            work._done.set()
+            work._finish()
 
     def stop(self, wait: bool = False) -> None:
         with self.lock:
@@ -280,8 +313,12 @@ class ShmGroup:
         self._next = 0
 
     # ---- collectives
-    def all_reduce(self, tensor: torch.Tensor, tag: str = "", slot: torch.Tensor | None = None) -> Work:
+    def all_reduce(self, tensor: torch.Tensor, tag: str = "", slot: torch.Tensor | None = None,
+                   then: Callable[[], None] | None = None) -> Work:
         """Sum ``tensor`` across the ranks, in place; returns a :class:`Work` to wait on.
+
+        ``then`` (default None): called by the worker as the sum completes, before any wait on it
+        returns (see :meth:`Work.then`).
 
         Where the bytes meet must be the same on every rank: ``slot``, a tensor from
         :meth:`zeros` (default: ``tensor`` itself). When ``tensor`` is the slot, the sum
@@ -309,7 +346,7 @@ class ShmGroup:
             )
         else:
             fn = lambda: _through_slot(seg, offset, place, tensor, op, self.between)  # noqa: E731
-        return self._runner.submit(fn, op)
+        return self._runner.submit(fn, op, then)
 
     def all_gather(self, per_rank: Sequence[Sequence[torch.Tensor]], tag: str = "") -> None:
         """Copy ``per_rank[j]`` of rank j into ``per_rank[j]`` of every other rank; blocking.

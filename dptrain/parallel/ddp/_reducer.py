@@ -85,7 +85,7 @@ from dptrain.parallel.ddp._buckets import (
     reached_params,
 )
 from dptrain.parallel.ddp._hook_pipeline import flush_hook_state
-from dptrain.parallel.ddp._profiling import profiling, record_collective, record_span
+from dptrain.parallel.ddp._profiling import collective_event, profiling, record_span
 from dptrain.parallel.ddp._rebuild import BucketRebuild
 from dptrain.parallel.ddp._sink import new_anchor
 
@@ -605,10 +605,9 @@ class Reducer:
         when a joined rank all-reduces zeros (``flat`` is then not the bucket itself).
         """
         if self.shm is not None:
-            work = self.shm.all_reduce(flat, tag=f"bucket {index}", slot=self.buckets[index].flat)
-            if profiling():  # gloo records its own; see dptrain.parallel.ddp._profiling
-                record_collective(f"{dist.get_backend(self.process_group)}:all_reduce", work)
-            return work
+            # gloo records its own event; see dptrain.parallel.ddp._profiling
+            end = collective_event(f"{dist.get_backend(self.process_group)}:all_reduce") if profiling() else None
+            return self.shm.all_reduce(flat, tag=f"bucket {index}", slot=self.buckets[index].flat, then=end)
         return dist.all_reduce(flat, group=self.process_group, async_op=True)
 
     def _run_hook(self, bucket: _Bucket, buffer: torch.Tensor) -> Any:
