@@ -352,3 +352,24 @@ def test_a_works_then_callbacks_run_before_any_wait_returns():
     assert seen[-1] == ("late", True)
     work.then(lambda: 1 / 0)  # a failing callback is not the collective's failure
     finisher.join()
+
+
+def _train_after_shutdown(rank):
+    from torch import nn
+
+    lin = nn.Linear(64, 64)
+    net = dptrain.DDP(lin, shm=True)
+    net(torch.rand(3, 64)).sum().backward()
+    dptrain.shutdown()
+    try:
+        net(torch.rand(3, 64)).sum().backward()  # writes its gradients into the closed group's buckets
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_ddp_model_used_after_shutdown_raises_instead_of_crashing():
+    # The segment was unmapped at shutdown while the buckets still viewed it: the backward's copy into
+    # a bucket killed the rank with SIGSEGV. The mapping now lives as long as a view of it.
+    for said in run_ranks(_train_after_shutdown, 2):
+        assert said is not None and "after dptrain.shutdown()" in said, said

@@ -142,7 +142,9 @@ class _Runner:
             work.then(then)
         with self.lock:
             if self.seg.closed or self.seg.aborted is not None:
-                raise RuntimeError(f"{self.seg.what}: the shared-memory group was closed")
+                raise RuntimeError(f"{self.seg.what}: the shared-memory group was closed (by dptrain.shutdown(), "
+                                   f"or a failed collective); a DDP model cannot train after dptrain.shutdown(): "
+                                   f"call it once training is over")
             if self.thread is None:
                 self.thread = threading.Thread(target=self._serve, daemon=True, name="dptrain-shm")
                 self.thread.start()

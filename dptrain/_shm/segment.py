@@ -393,10 +393,11 @@ class _Segment:
         self.closed = True
         self.counters, self.descs = [], []
         self.bytes = None  # type: ignore[assignment]
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # tensors still view it (a reducer's buckets): the mapping goes with them
+        # Not self.mm.close(): torch.frombuffer keeps a reference to the mapping but no buffer
+        # export, so close() would unmap memory that tensor views of it (a reducer's buckets)
+        # still point at, and their next touch (a backward after dptrain.shutdown()) would be a
+        # SIGSEGV instead of an error. The mapping goes with its last reference instead.
+        self.mm = None  # type: ignore[assignment]
         try:
             os.close(self.fd)
         except OSError:
