@@ -143,6 +143,22 @@ def _forget(exc: BaseException) -> None:
         seen = seen.__cause__ or seen.__context__
 
 
+def _broadcast_state(state: dict | None, src: int, me: int) -> dict:
+    """Rank ``src``'s ``state`` on every rank: its structure pickled, its tensors' bytes in one
+    buffer (see ``dptrain._tensors``; pickled whole, the weights and optimizer state took 5x as long)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if me == src:
+        skeleton, tensors = _tensors.split_tensors(state)
+        buffer, meta = _tensors.pack(tensors, device)
+        comm.broadcast_object((skeleton, meta), src=src)
+        comm.broadcast(buffer, src=src)
+        return state
+    skeleton, meta = comm.broadcast_object(None, src=src)
+    buffer = _tensors.empty_for(meta, device)
+    comm.broadcast(buffer, src=src)
+    return _tensors.join_tensors(skeleton, _tensors.unpack(buffer, meta))
+
+
 # [Note: going on without a node]
 # When a whole node is lost and the job is elastic (``--nnodes MIN:MAX``), no replacement comes:
 # the launcher announces a *resize* generation instead (see [Note: a node lost for good] in
@@ -160,22 +176,6 @@ def _forget(exc: BaseException) -> None:
 # A Trainer says it can (``recovery/resizable/<rank>``) only when every loader's share is its
 # sampler's business: dptrain's DistributedSampler (which knows how to re-split), or a loader
 # without any world-dependent sampler (every rank evaluates all of it).
-def _broadcast_state(state: dict | None, src: int, me: int) -> dict:
-    """Rank ``src``'s ``state`` on every rank: its structure pickled, its tensors' bytes in one
-    buffer (see ``dptrain._tensors``; pickled whole, the weights and optimizer state took 5x as long)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    if me == src:
-        skeleton, tensors = _tensors.split_tensors(state)
-        buffer, meta = _tensors.pack(tensors, device)
-        comm.broadcast_object((skeleton, meta), src=src)
-        comm.broadcast(buffer, src=src)
-        return state
-    skeleton, meta = comm.broadcast_object(None, src=src)
-    buffer = _tensors.empty_for(meta, device)
-    comm.broadcast(buffer, src=src)
-    return _tensors.join_tensors(skeleton, _tensors.unpack(buffer, meta))
-
-
 def _loaders(trainer: Any) -> list[tuple[str, Any]]:
     return [(name, loader) for name in ("train", "dev", "test")
             if (loader := getattr(trainer, f"{name}_loader", None)) is not None]
