@@ -142,6 +142,7 @@ class _Runner:
             work.then(then)
         with self.lock:
             if self.seg.closed or self.seg.aborted is not None:
+                work._finish()  # what waits for its end (a profiler event) is not left open
                 raise RuntimeError(f"{self.seg.what}: the shared-memory group was closed (by dptrain.shutdown(), "
                                    f"or a failed collective); a DDP model cannot train after dptrain.shutdown(): "
                                    f"call it once training is over")
