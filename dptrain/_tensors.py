@@ -110,12 +110,15 @@ def join_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return skeleton
 
 
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
 def _layout(meta: list[tuple[torch.dtype, tuple[int, ...], str]]) -> tuple[list[int], int]:
     offsets, end = [], 0
     for dtype, shape, _ in meta:
         offsets.append(end)
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        end += -(-nbytes // _ALIGN) * _ALIGN
+        end += -(-_nbytes(dtype, shape) // _ALIGN) * _ALIGN
     return offsets, end
 
 
@@ -137,8 +140,7 @@ def unpack(buffer: torch.Tensor, meta: list) -> list[torch.Tensor]:
         raise ValueError(f"a packed buffer of {buffer.numel()} bytes does not hold tensors of {total}")
     out = []
     for (dtype, shape, device_type), start in zip(meta, offsets):
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        t = buffer[start:start + nbytes].view(dtype).view(shape)
+        t = buffer[start:start + _nbytes(dtype, shape)].view(dtype).view(shape)
         out.append(t.cpu() if device_type == "cpu" else t)
     return out
 
