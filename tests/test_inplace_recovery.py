@@ -149,6 +149,20 @@ def test_a_trainer_that_cannot_recover_in_place_falls_back_to_restarting_the_job
     assert len(glob.glob(str(tmp_path / "out" / "start-rank0-pid*.json"))) == 2  # rank 0 was restarted too
 
 
+def test_a_replacement_without_its_ranks_snapshot_falls_back_to_restarting_the_job_bitwise(tmp_path, uninterrupted):
+    # The victim deletes its step snapshots before it dies: its replacement cannot know the dead rank's
+    # RNG streams, so the members agree (in the exchange that starts a recovery) that the run cannot go
+    # on bit for bit in place, and the launcher restarts the whole job from its newest checkpoint.
+    log = _run(tmp_path / "out", 2, "1:0:forget:5", tmp_path / "ckpt")
+    assert "rank(s) [1] have no record of their RNG streams and buffers at commit" in log, log
+    assert "restarting all ranks" in log and "recovered in place" not in log
+    finals = _finals(tmp_path / "out")
+    for rank, ref in uninterrupted[2].items():
+        assert _same(finals[rank]["state"], ref["state"]), f"rank {rank}'s weights differ from the uninterrupted run's"
+        assert finals[rank]["history"] == ref["history"]
+    assert len(glob.glob(str(tmp_path / "out" / "start-rank0-pid*.json"))) == 2  # the survivor was restarted too
+
+
 def test_a_plain_loop_with_recoverable_loop_recovers_in_place_bitwise(tmp_path):
     # tests/scripts/loop_inplace.py: its own loop over dptrain.RecoverableLoop's epochs(), batches() and step().
     _run(tmp_path / "whole", 2, script=LOOP)

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from dptrain import _heartbeat, _regroup, _settings, _tensors, comm
 from dptrain._errors import CollectiveError
+from dptrain.train import resize
 
 __all__ = ["InPlaceRecovery", "in_place_requested", "is_replacement", "FALLBACK_EXIT"]
 
@@ -143,13 +144,26 @@ def _forget(exc: BaseException) -> None:
         seen = seen.__cause__ or seen.__context__
 
 
-def _broadcast_state(state: dict | None, src: int, me: int) -> dict:
-    """Rank ``src``'s ``state`` on every rank: its structure pickled, its tensors' bytes in one
-    buffer (see ``dptrain._tensors``; pickled whole, the weights and optimizer state took 5x as long)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+def _transfer_device() -> torch.device:
+    """Where the state travels: the rank's GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _pack_state(state: dict) -> tuple:
+    """``state`` ready to send: itself, its structure with slots for its tensors, and those tensors'
+    bytes in one buffer (see ``dptrain._tensors``; pickled whole, the weights and optimizer state
+    took 5x as long to send)."""
+    device = _transfer_device()
+    skeleton, tensors = _tensors.split_tensors(state)
+    buffer, meta = _tensors.pack(tensors, device)
+    return state, skeleton, meta, buffer
+
+
+def _broadcast_state(packed: tuple | None, src: int, me: int) -> dict:
+    """The state that rank ``src`` packed (:func:`_pack_state`; None on the others), on every rank."""
+    device = _transfer_device()
     if me == src:
-        skeleton, tensors = _tensors.split_tensors(state)
-        buffer, meta = _tensors.pack(tensors, device)
+        state, skeleton, meta, buffer = packed
         comm.broadcast_object((skeleton, meta), src=src)
         comm.broadcast(buffer, src=src)
         return state
@@ -157,70 +171,6 @@ def _broadcast_state(state: dict | None, src: int, me: int) -> dict:
     buffer = _tensors.empty_for(meta, device)
     comm.broadcast(buffer, src=src)
     return _tensors.join_tensors(skeleton, _tensors.unpack(buffer, meta))
-
-
-# [Note: going on without a node]
-# When a whole node is lost and the job is elastic (``--nnodes MIN:MAX``), no replacement comes:
-# the launcher announces a *resize* generation instead (see [Note: a node lost for good] in
-# ``dptrain.launcher.resize``) and the survivors re-form the group at the smaller size, some of
-# them under new rank numbers (``dptrain._regroup.world_at``). The recovery is the one above --
-# the most advanced survivor's commit, each rank's own snapshot -- plus a move to the new world:
-# the Trainer's rank and world, its checkpointer's, the parts of a checkpoint (which gather per
-# rank), and every loader's sampler. The train sampler then loads the commit's position, saved
-# on the old world size, and so shares the rest of the epoch out among the new ranks exactly as a
-# checkpoint resumed on another world size does: each sample not yet trained on is trained on
-# once (see [Note: resuming, and the rule for a different world size] in dptrain.data.sampler).
-# The LR schedule is re-planned as on such a resume, on every rank. Not bitwise equal to an
-# uninterrupted run (the world size changed); the dead ranks' part of the epoch's running loss
-# is lost with them, so that epoch's mean train loss covers the survivors' samples only.
-# A Trainer says it can (``recovery/resizable/<rank>``) only when every loader's share is its
-# sampler's business: dptrain's DistributedSampler (which knows how to re-split), or a loader
-# without any world-dependent sampler (every rank evaluates all of it).
-def _loaders(trainer: Any) -> list[tuple[str, Any]]:
-    return [(name, loader) for name in ("train", "dev", "test")
-            if (loader := getattr(trainer, f"{name}_loader", None)) is not None]
-
-
-def _sampler_of(loader: Any) -> Any:
-    sampler = getattr(loader, "sampler", None)
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    if not hasattr(sampler, "num_replicas") and hasattr(getattr(batch_sampler, "sampler", None), "num_replicas"):
-        sampler = batch_sampler.sampler
-    return sampler
-
-
-def _not_resizable(trainer: Any) -> str | None:
-    """Why this Trainer cannot go on at another world size in place, or None."""
-    from dptrain.data.sampler import DistributedSampler
-
-    if not hasattr(trainer, "train_loader"):
-        return "a plain loop (dptrain.RecoverableLoop) goes on in place at the same world size only"
-    for name, loader in _loaders(trainer):
-        sampler = _sampler_of(loader)
-        if isinstance(sampler, DistributedSampler):
-            continue
-        if hasattr(sampler, "num_replicas") or name == "train":
-            return f"the {name} loader's share is not given by dptrain's DistributedSampler"
-    return None
-
-
-def _move_to(trainer: Any, world: Any) -> None:
-    """The Trainer's side of a resize (see [Note: going on without a node]): everything that holds
-    the rank or the world size now holds ``world``'s."""
-    from dptrain.data.sampler import DistributedSampler
-    from dptrain.train import _parts
-
-    trainer.world, trainer.rank = world, world.rank
-    for _, loader in _loaders(trainer):
-        sampler = _sampler_of(loader)
-        if isinstance(sampler, DistributedSampler):
-            sampler._move(world.world_size, world.rank)
-    trainer.checkpointer.rank, trainer.checkpointer.world_size = world.rank, world.world_size
-    trainer._parts = _parts.StatefulParts(
-        strategy=trainer.strategy, model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-        scaler=trainer.scaler, progress=trainer.state, train_loader=trainer.train_loader,
-        callbacks=trainer.callbacks, checkpointer=trainer.checkpointer, config=trainer.config, world=world,
-    )  # fmt: skip
 
 
 class _Snapshot(dict):
@@ -248,7 +198,8 @@ class InPlaceRecovery:
         self.recoveries = 0
         self.joined_from: str | None = None  # a replacement: what it got its state from
         self.arrived = False  # every rank agreed, at the last boundary, that a node let in is ready
-        self.resizable = self.active and _not_resizable(trainer) is None  # see [Note: going on without a node]
+        # See [Note: going on without a node] in dptrain.train.resize.
+        self.resizable = self.active and resize.obstacle(trainer) is None
         # Nodes may be let in while the job runs: every rank takes part in the check (see the Note).
         self.admitting = self.resizable and _settings.get("DPTRAIN_RECOVERY_ADMIT")
 
@@ -458,30 +409,47 @@ class InPlaceRecovery:
 
             trainer.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
-    def _status(self, failed_at: float | None) -> dict:
+    def _status(self, failed_at: float | None, snapshots: dict[int, _Snapshot], any_commit: bool) -> dict:
+        """What a member says of itself in the one exchange that starts a recovery: whether it is new,
+        its last commit, and which commits it holds its own part of (``any_commit``: a newcomer, which
+        can make its part of whatever commit the survivors reached)."""
         return {"rank": self.trainer.rank, "replacement": failed_at is None and self.seq < 0, "seq": self.seq,
-                "prepared": self.prepared["seq"] if self.prepared is not None else -1, "failed_at": failed_at,
-                "pid": os.getpid()}
+                "has": sorted(snapshots), "any": any_commit, "failed_at": failed_at, "pid": os.getpid()}
 
-    def _snapshot_for(self, target: int) -> _Snapshot | None:
-        if self.snapshot is not None and self.seq == target:
-            return self.snapshot
-        if self.prepared is not None and self.prepared["seq"] == target:
-            return self.prepared
+    def _snapshots(self) -> tuple[dict[int, _Snapshot], bool]:
+        """This rank's parts of the commits it can recover to, by commit number, and whether it is a
+        newcomer (see :meth:`_newcomer`). A survivor holds its last commit's and perhaps the next one's;
+        a replacement reads its rank's files, which the dead process wrote."""
+        held = {s["seq"]: s for s in (self.snapshot, self.prepared) if s is not None}
         if self.seq >= 0 or not self.directory:
-            return None
+            return held, False
         for path in glob.glob(os.path.join(self.directory, f"rank{self.trainer.rank}.[01]")):
             with contextlib.suppress(Exception):  # a file being replaced: the other one is the older commit
                 snap = torch.load(path, map_location="cpu", weights_only=True)
-                if snap.get("seq") == target:
-                    return _Snapshot(snap)
-        if self._newcomer():
-            # A rank that never trained: its own RNG streams, no share of the epoch's running loss, and
-            # the buffers the source sends with the weights (an empty dict keeps them).
-            snap = self._own_state(torch.zeros((), dtype=torch.float64), 0)
-            snap.update(seq=target, buffers={})
-            return snap
-        return None
+                if isinstance(snap.get("seq"), int):
+                    held[snap["seq"]] = _Snapshot(snap)
+        return held, self._newcomer()
+
+    def _likely_source(self, generation: int) -> bool:
+        """Whether this survivor will most likely send the state: the lowest rank that the launcher did
+        not replace in ``generation`` (the source is the lowest survivor at the newest commit, and the
+        survivors' commits differ only when a failure came between a step's all-reduce finishing on some
+        ranks and not on others). Only a guess, which decides whether to pack the state early."""
+        from dptrain import env
+
+        said = _regroup.announcement(env._STATE.store, generation)
+        gone = said.get("rank")
+        if said.get("kind") == "resize" or not isinstance(gone, int):
+            return False
+        return self.trainer.rank == min(r for r in range(self.trainer.world.world_size) if r != gone)
+
+    def _newcomer_snapshot(self, target: int) -> _Snapshot:
+        """A newcomer's part of commit ``target``: a rank that never trained has its own RNG streams, no
+        share of the epoch's running loss, and the buffers the source sends with the weights (an empty
+        dict keeps them)."""
+        snap = self._own_state(torch.zeros((), dtype=torch.float64), 0)
+        snap.update(seq=target, buffers={})
+        return snap
 
     def _newcomer(self) -> bool:
         """Whether this process started as a rank of a node let into the running job (see [Note: a node
@@ -517,27 +485,39 @@ class InPlaceRecovery:
         from dptrain import env
 
         t = self.trainer
-        statuses = comm.all_gather_object(self._status(failed_at))
+        # One exchange decides it all (every member computes the same from the same list): the target,
+        # its source, and whether every member holds its own part of the target.
+        snapshots, newcomer = self._snapshots()
+        # A survivor that will most likely be the source packs its state now, while the replacement is
+        # still starting (the exchange below waits for it anyway): off the path from here on.
+        ahead = _pack_state(self._shared_state()) if failed_at is not None and self._likely_source(generation) else None
+        statuses = comm.all_gather_object(self._status(failed_at, snapshots, newcomer))
         survivors = [s for s in statuses if not s["replacement"]]
         if not survivors:
             self._fall_back("every rank of the job is new, so no live rank holds the training state")
         target = max(s["seq"] for s in survivors)
         source = min(s["rank"] for s in survivors if s["seq"] == target)
-        mine = self._snapshot_for(target)
-        missing = comm.all_gather_object(None if mine is not None else t.rank)
-        lacking = [r for r in missing if r is not None]
+        mine = snapshots.get(target)
+        if mine is None and newcomer:
+            mine = self._newcomer_snapshot(target)
+        lacking = [s["rank"] for s in statuses if target not in s["has"] and not s["any"]]
         if lacking:
             self._fall_back(f"rank(s) {lacking} have no record of their RNG streams and buffers at commit {target}, "
                             f"so the run could not go on bit for bit")
+        if t.rank != source:
+            ahead = None  # a wrong guess: its buffer goes before another one is received
         started = time.perf_counter()
-        shared = _broadcast_state(self._shared_state() if t.rank == source else None, source, t.rank)
+        if t.rank == source and ahead is None:
+            ahead = _pack_state(self._shared_state())
+        shared = _broadcast_state(ahead, source, t.rank)
+        del ahead
         transfer_s = time.perf_counter() - started
         if shared["ddp_layout"] is None:
             self._fall_back(f"rank {source}'s DDP cannot be carried over yet (compression='auto' is still measuring)")
         t.model._rejoin(shared["ddp_layout"])
         world = env.get_world()
         if (world.rank, world.world_size) != (t.rank, t.world.world_size):
-            _move_to(t, world)
+            resize.move_to(t, world)
         # The commit's world size (a newcomer's own never changed, but the schedule was planned on that one).
         resized_from = shared["world_size"] if shared["world_size"] != world.world_size else None
         self._restore(shared, mine, source, resized_from)

@@ -5,8 +5,9 @@ Environment:
   CKPT    checkpoint directory (unset: the job keeps no checkpoints at all)
   KILLS   ';'-separated kills "rank:generation:where:at": the process of that rank started for that
           generation (0: the job's own ranks; g: the replacement of generation g) SIGKILLs itself
-          where = forward | all_reduce | optimizer | checkpoint | eval | stall  at optimizer step ``at``
-          (for eval: the epoch, counted from 1; stall: stops itself with SIGSTOP instead of dying),
+          where = forward | all_reduce | optimizer | checkpoint | eval | stall | forget  at optimizer step
+          ``at`` (for eval: the epoch, counted from 1; stall: stops itself with SIGSTOP instead of dying;
+          forget: dies in the forward after deleting its rank's step snapshots, so its replacement has none),
           or init: right after dptrain.init() (a replacement that dies while it joins)
   EPOCHS  epochs (default 2)
   STRATEGY the Trainer's strategy (default: its own choice, "ddp")
@@ -42,11 +43,14 @@ def note(name: str, **what) -> None:
 def die(trainer, where: str, **more) -> None:
     note(f"killed-rank{trainer.rank}-gen{GEN}.json", rank=trainer.rank, gen=GEN, where=where, pid=os.getpid(),
          step=trainer.global_step, stack=[f.name for f in traceback.extract_stack()], **more)
+    if where == "forget":
+        for name in (f"rank{trainer.rank}.0", f"rank{trainer.rank}.1"):
+            os.remove(os.path.join(os.environ["DPTRAIN_RECOVERY_DIR"], name))
     os.kill(os.getpid(), signal.SIGSTOP if where == "stall" else signal.SIGKILL)
 
 
 def arm(trainer, where: str, at: int) -> None:
-    if where in ("forward", "stall"):
+    if where in ("forward", "stall", "forget"):
         def pre(module, args):
             if module.training and trainer.global_step + 1 == at:
                 die(trainer, where)
