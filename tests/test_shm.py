@@ -253,6 +253,59 @@ def test_a_rank_killed_mid_all_reduce_is_named_and_leaves_no_segment():
     assert not [f for f in os.listdir("/dev/shm") if f in os.path.basename(path)]
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes a while and says (in ``ran``) that it ran."""
+
+    ran: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _SlowBackward.ran.append(time.monotonic())
+        time.sleep(1.0)
+        return g
+
+
+def _die_before_backward(rank):
+    from torch import nn
+
+    first, middle, last = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.middle, self.last = first, middle, last
+
+        def forward(self, x):  # backward: last, slow (a peer's death is noticed), middle, slow, first
+            return self.last(_SlowBackward.apply(self.middle(_SlowBackward.apply(self.first(x)))))
+
+    model = dptrain.DDP(Net(), bucket_cap_mb=0.0001)  # a bucket per parameter: last's go first
+    assert model.reducer.shm is not None and len(model.reducer.buckets) > 2
+    model(torch.randn(4, 8)).sum().backward()  # one healthy step
+    _SlowBackward.ran.clear()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+    except dptrain.comm.CollectiveError as exc:
+        return str(exc), len(_SlowBackward.ran), time.monotonic() - started
+    return "no error", len(_SlowBackward.ran), time.monotonic() - started
+
+
+def test_a_peers_death_stops_the_backward_at_the_next_gradient_instead_of_at_its_end():
+    # The survivor's first bucket fails while the backward is in its first slow part; the next
+    # gradient hook raises, so the second slow part (and the rest of the backward) never runs:
+    # in-place recovery starts as soon as the peer is gone, not one whole backward later.
+    (status, (msg, slow_parts, took)), victim = _run_with_a_victim(_die_before_backward, 2)
+    assert status == "ok" and victim == ("no answer", -signal.SIGKILL)
+    assert "rank 1 did not arrive: its process exited" in msg, msg
+    assert slow_parts == 1 and took < 1.9, (slow_parts, took)
+
+
 def _die_while_attaching(rank):
     created = []
     make = _shm_segment._create

@@ -103,6 +103,10 @@ class Work:
     def is_completed(self) -> bool:
         return self._done.is_set()
 
+    def failed(self) -> bool:
+        """Whether the collective is over and failed (``wait`` would raise its error at once)."""
+        return self._done.is_set() and self._error is not None
+
 
 _THEN_LOCK = threading.Lock()  # Work.then against the worker's finish (one for all: held for a moment)
 
@@ -260,6 +264,12 @@ class ShmGroup:
         self._runner = _Runner(segment)
         self._finalizer = weakref.finalize(self, self._runner.stop)
         self._finalizer.atexit = False  # close_all joins the worker at exit instead (see its note)
+
+    @property
+    def broken(self) -> str | None:
+        """Why every collective of this group fails from now on (a peer died or did not arrive in
+        time, the ranks called different collectives, or the group was aborted), or None."""
+        return self._seg.broken
 
     # ---- construction
     @classmethod

@@ -415,6 +415,8 @@ class Reducer:
         # (see [Note: a bucket at a time]). The common case (a running backward of plain
         # settings, a dense gradient of its bucket's dtype, queued for the bucket's one copy)
         # is done here inline; anything else goes the general way.
+        if self.shm is not None and self.shm.broken is not None:
+            self._fail_fast()
         if self._plain_backward and self.phase is BackwardPhase.RUNNING:
             g = param.grad
             if (g is not None and not self._one_pass[i] and not self._ready[i] and not g.requires_grad
@@ -427,6 +429,19 @@ class Reducer:
                     self._launch_ready()
                 return
         self._on_grad_ready_general(i)
+
+    def _fail_fast(self) -> None:
+        """A shared-memory all-reduce of this backward failed (a peer died or stalled): raise its
+        error now, from the gradient hook, instead of computing the rest of the backward first.
+
+        The backward ends there; every gradient of it is discarded by whoever handles the error
+        (in-place recovery starts as soon as the survivors stop, so the replacement does not
+        wait for a backward whose result is thrown away). Until the worker has finished the
+        failed all-reduce there is nothing to raise yet, and the backward goes on.
+        """
+        for bucket, work in zip(self.buckets, self._works):
+            if work is not None and getattr(work, "failed", None) is not None and work.failed():
+                self._wait(bucket, work)  # raises the guarded error that names the peer
 
     def _on_grad_ready_general(self, i: int) -> None:
         if (self.static_graph or self.find_unused_parameters) and self._tracks_used:
