@@ -82,6 +82,9 @@ FALLBACK_EXIT = 75
 WATCH_AFTER_BEATS = 3
 #: Heartbeat intervals within which a waiter's heartbeat must have been written anew to count.
 FRESH_BEATS = 3
+#: Seconds after a failure by which the next hot spare starts even if its recovery was not said to
+#: be over (see ``InPlaceRecovery._refill_spares``).
+REFILL_AFTER_S = 10.0
 #: The settings ``dptrain run`` gives its ranks for in-place recovery (and removes otherwise).
 RANK_SETTINGS = ("DPTRAIN_RECOVERY", "DPTRAIN_RECOVERY_DIR", "DPTRAIN_GENERATION", "DPTRAIN_RECOVERY_ADMIT")
 
@@ -136,6 +139,7 @@ class InPlaceRecovery:
         self.ended: dict[int, str] = {}  # pid -> why this launcher ended it (a stall)
         self.nodes: Nodes | None = None  # the job's nodes, while an attempt of several is watched
         self.joined_at = 0  # the generation this node's ranks started in (> 0: let into a running job)
+        self._refill: tuple[int, int, float] | None = None  # a spare to start: (attempt, generation, since)
 
     # -- set-up ------------------------------------------------------------------------------
     def started(self, base_env: dict[str, str]) -> None:
@@ -146,6 +150,7 @@ class InPlaceRecovery:
                                  started=lambda pid: job.janitor.tell("group", pid),
                                  ended=lambda pid: job.janitor.tell("forget", pid), log=job.log)
         if self.spares is not None:
+            self._refill = None
             self.spares.fill()
 
     def close(self) -> None:
@@ -220,6 +225,7 @@ class InPlaceRecovery:
             if ended is not None:
                 return ended
         self._end_stalled(running, attempt)
+        self._refill_spares()
         return None
 
     def forget_progress(self, renumbered: bool = False) -> None:
@@ -293,8 +299,29 @@ class InPlaceRecovery:
         if tail:
             job.log(f"--- last lines of rank {failed.rank} ---\n{tail}\n---")
         if self.spares is not None:
-            self.spares.fill()  # the next spare warms up while the job goes on
+            self._refill = (attempt, generation, time.monotonic())  # see _refill_spares
         return True
+
+    def _refill_spares(self) -> None:
+        """Start the next spare once the recovery it would slow is over.
+
+        A spare's start (an interpreter, then imports at the idle class) takes the CPU from the
+        ranks that are recovering when the cores are all theirs (CPU training): started right
+        after the failure it delayed the replacement's first step by a third. It starts at the
+        first tick after rank 0 said the generation is recovered (``recovery/done/<g>``), or
+        ``REFILL_AFTER_S`` after the failure when that never comes (a fallback, a node lost);
+        a spare is not warm before its seconds of imports anyway.
+        """
+        if self._refill is None or self.spares is None:
+            return
+        attempt, generation, since = self._refill
+        try:
+            done = self.job.store.check([recovery_key(attempt, f"done/{generation}")])
+        except (RuntimeError, OSError):  # the store is gone: the job is ending
+            done = False
+        if done or time.monotonic() - since >= REFILL_AFTER_S:
+            self._refill = None
+            self.spares.fill()
 
     def _bury(self, failed: RankProcess, attempt: int) -> str:
         """Stop what is left of ``failed`` (its process group: DataLoader workers) and return the

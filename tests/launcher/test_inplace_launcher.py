@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #: collective while the others wait in one, then SIGSTOP itself), ``die_attempts`` and
 #: ``die_gens`` (when it fails: attempt numbers and generations), ``incapable`` (ranks that do
 #: not write ``capable``), ``fallback`` (rank 0 writes it, and exits 75, on seeing generation
-#: 1 of attempt 0), ``wait_spare`` (the victim fails only once a hot spare has imported torch).
+#: 1 of attempt 0), ``wait_spare`` (the victim fails only once a hot spare has imported torch;
+#: its replacement says which spares run (``JOINED``) before it writes ``recovery/done/<g>``).
 #: Every rank but the victim waits for the victim to finish (``test/done``).
 FAKE_RANK = r'''
 import os, sys, time
@@ -118,6 +119,12 @@ if rank == victim:
             os.kill(os.getpid(), signal.SIGSTOP)
         say("DYING", t=time.time())
         os.kill(os.getpid(), signal.SIGKILL)
+    if gen and plan.get("wait_spare"):
+        # A replacement: until the recovery is said to be over (rank 0 of a real job writes
+        # recovery/done/<g> once the state is restored), no new spare takes the CPU from it.
+        time.sleep(1.5)  # more than one tick of the launcher's watch
+        say("JOINED", spares=[pid for pid, _ in spares()])
+        store.set(keys + f"recovery/done/{gen}", "1")
     say("END")
     store.set(keys + "test/done", "1")
     sys.exit(0)
@@ -129,6 +136,10 @@ if plan.get("fallback") and rank == 0 and attempt == 0:
     store.set(keys + "recovery/fallback", plan["fallback"])
     sys.exit(75)
 store.wait([keys + "test/done"])
+if plan.get("wait_spare"):
+    deadline = time.time() + 10
+    while len(spares()) < 2 and time.time() < deadline:  # the replacement, and the spare started after it
+        time.sleep(0.05)
 generations = []
 g = 1
 while store.check([keys + f"recovery/generation/{g}"]):
@@ -137,7 +148,7 @@ while store.check([keys + f"recovery/generation/{g}"]):
 say("END", generations=generations, spares=[pid for pid, _ in spares()])
 '''
 
-_LINE = re.compile(r"^\[rank(\d+)\] (START|END|DYING|STALLING) (\{.*\})$")
+_LINE = re.compile(r"^\[rank(\d+)\] (START|END|DYING|STALLING|JOINED) (\{.*\})$")
 
 
 @pytest.fixture
@@ -272,7 +283,10 @@ def test_a_hot_spare_becomes_the_replacement(fake):
     assert replacement["age"] > gap  # it existed before the rank died; how fast it took over is the benchmark's
     (end0,) = said(evts, "END", rank=0)
     assert end0["generations"][0]["spare"] is True
-    # A new spare was started in its place (the replacement still runs as one), and is gone with the job.
+    # A new spare was started in its place (the replacement still runs as one), and is gone with the job;
+    # not before the recovery was over: while the replacement joined, it was the only one.
+    (joined,) = said(evts, "JOINED", rank=1)
+    assert joined["spares"] == [replacement["pid"]], joined
     fresh = [pid for pid in end0["spares"] if pid != replacement["pid"]]
     assert len(fresh) == 1, end0
     assert not _alive(fresh[0]) and not _alive(replacement["pid"])
