@@ -179,10 +179,11 @@ def run_torchft(args, where: str, out: str, kill: str | None) -> tuple[list[str]
     with open(job, "w") as fh:
         fh.write(FT_JOB)
     port = free_port()
+    lighthouse_log = open(os.path.join(where, "lighthouse.txt"), "w")  # kept with the round (--keep)
     lighthouse = subprocess.Popen(
         [os.path.join(venv_bin, "torchft_lighthouse"), "--min_replicas", str(args.nproc), "--quorum_tick_ms", "100",
          "--join_timeout_ms", "10000", "--bind", f"127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        stdout=lighthouse_log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 30
         while time.time() < deadline:  # until it listens
@@ -222,6 +223,7 @@ def run_torchft(args, where: str, out: str, kill: str | None) -> tuple[list[str]
     finally:
         os.killpg(lighthouse.pid, signal.SIGKILL)
         lighthouse.wait()
+        lighthouse_log.close()
     return cmd, rc, "\n".join(texts), wall
 
 
