@@ -161,14 +161,13 @@ def _pack_state(state: dict) -> tuple:
 
 def _broadcast_state(packed: tuple | None, src: int, me: int) -> dict:
     """The state that rank ``src`` packed (:func:`_pack_state`; None on the others), on every rank."""
-    device = _transfer_device()
     if me == src:
         state, skeleton, meta, buffer = packed
         comm.broadcast_object((skeleton, meta), src=src)
         comm.broadcast(buffer, src=src)
         return state
     skeleton, meta = comm.broadcast_object(None, src=src)
-    buffer = _tensors.empty_for(meta, device)
+    buffer = _tensors.empty_for(meta, _transfer_device())
     comm.broadcast(buffer, src=src)
     return _tensors.join_tensors(skeleton, _tensors.unpack(buffer, meta))
 
