@@ -11,7 +11,9 @@ even rounds, backward on odd ones):
     a   ``torchrun --max-restarts 1``: all ranks restarted, the Trainer resumes from its newest
         checkpoint (TORCHELASTIC_RESTART_COUNT > 0)
     b   ``dptrain run --max-restarts 1`` (restart-and-resume, the default ``--recovery restart``)
-    c   ``dptrain run --max-restarts 1 --recovery in-place``
+    c   ``dptrain run --max-restarts 1 --recovery in-place`` (the replacement is forked from the
+        warm template, see ``dptrain.launcher.template``)
+    cn  the same with ``DPTRAIN_WARM_TEMPLATE=0``: the replacement is a new interpreter
     d   ``dptrain run --max-restarts 1 --recovery in-place --spares 1``
     c0  ``dptrain run --recovery in-place`` with no failure (what in-place costs when nothing fails)
     d0  the same with ``--spares 1`` (what a hot spare costs when nothing fails; d minus d0 is what
@@ -139,6 +141,7 @@ VARIANTS = {  # name: (label, launcher, baseline, killed?)
     "a": ("a: torchrun --max-restarts 1 + checkpoint resume", "torchrun", "ut", True),
     "b": ("b: dptrain run --max-restarts 1 (restart)", "dptrain", "u", True),
     "c": ("c: dptrain run --recovery in-place", "dptrain", "u", True),
+    "cn": ("cn: in-place, DPTRAIN_WARM_TEMPLATE=0", "dptrain", "u", True),
     "d": ("d: in-place --spares 1", "dptrain", "u", True),
     "c0": ("c0: in-place, no failure", "dptrain", "u", False),
     "d0": ("d0: in-place --spares 1, no failure", "dptrain", "u", False),
@@ -156,7 +159,7 @@ def command(variant: str, args, out: str, ckpt: str, kill: str | None) -> list[s
     else:
         launcher = [py, "-m", "dptrain", "run", "--nproc-per-node", str(args.nproc),
                     "--max-restarts", "1" if kill or variant in ("c0", "d0") else "0"]  # in-place needs >= 1
-        if variant in ("c", "d", "c0", "d0"):
+        if variant in ("c", "cn", "d", "c0", "d0"):
             launcher += ["--recovery", "in-place"]
         if variant in ("d", "d0"):
             launcher += ["--spares", "1"]
@@ -236,6 +239,8 @@ def run(variant: str, args, where: str, kill: str | None) -> dict:
     else:
         cmd = command(variant, args, out, ckpt, kill)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if variant == "cn":
+            env["DPTRAIN_WARM_TEMPLATE"] = "0"
         t0 = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                                 start_new_session=True)  # its own process group: a timeout ends launcher and ranks
@@ -483,7 +488,7 @@ def main() -> int:
     def ratios(med: dict) -> str:
         b = med.get("b")
         parts = [f"{v}/b = {med[v] / b:.3f}" if med[v] is not None and b else f"{v}/b = n/a"
-                 for v in ("c", "d", "e") if v in med]
+                 for v in ("c", "cn", "d", "e") if v in med]
         if med.get("a") and b:
             parts.append(f"b/a = {b / med['a']:.3f}")
         return ", ".join(parts) or "n/a"

@@ -20,8 +20,9 @@ How ``dptrain run --nproc-per-node N train.py`` becomes N rank processes on this
    another node's launcher reported.
 5. When a rank fails, every rank of every node is stopped (TERM, then KILL) and the failure is
    reported with its traceback; ``--max-restarts`` starts the next attempt on every node. With
-   ``--recovery in-place`` (``inplace``) only the failed (or stalled) rank is replaced, by a new
-   process or a hot spare that imported torch ahead (``spare``), and the others keep running.
+   ``--recovery in-place`` (``inplace``) only the failed (or stalled) rank is replaced, by a hot
+   spare that imported torch ahead (``spare``), a child forked from the node's warm template
+   (``template``) or a new process, and the others keep running.
    When all ranks are done, node 0 keeps the store up until every node's are
    (``rendezvous.exit_barrier``).
 

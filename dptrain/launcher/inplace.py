@@ -11,7 +11,7 @@ The ranks and their launchers talk through the job's store, under ``keys_prefix(
   code 75);
 * ``count``, a counter: the launcher whose rank failed takes the next generation number
   from it (1, 2, ...; across nodes too);
-* ``generation/<g>`` = ``{"rank", "why", "pid", "time", "spare"}``: written by that launcher
+* ``generation/<g>`` = ``{"rank", "why", "pid", "time", "spare", "forked"}``: written by that launcher
   before it starts the replacement; the other ranks wait for it, then re-form the process
   group with the replacement (``dptrain.train.recovery``).
 
@@ -20,7 +20,8 @@ every rank said it is capable and none wrote ``fallback``, the launcher stops wh
 that rank (its DataLoader workers), takes a generation number, writes the generation, and
 starts the replacement with the rank's own environment (``RANK``, ``LOCAL_RANK``,
 ``TORCHELASTIC_RESTART_COUNT``: unchanged) and ``DPTRAIN_GENERATION=g``, its output under the
-same ``[rankN]`` prefix -- a hot spare when there is one (``spare``). Otherwise the failure
+same ``[rankN]`` prefix -- a hot spare when there is one (``spare``), else a child forked from
+the node's warm template (``template``), else a new interpreter. Otherwise the failure
 goes the usual way (every rank stopped, the whole job restarted if restarts remain), and the
 reason in-place recovery did not apply is said once.
 
@@ -67,7 +68,7 @@ from typing import Any
 from dptrain import _settings
 from dptrain._heartbeat import describe_exit, keys_prefix, recovery_key, where
 from dptrain._join import ranks_text
-from dptrain.launcher import store_values
+from dptrain.launcher import store_values, template
 from dptrain.launcher.resize import ENTRY_WAIT_S, Nodes
 from dptrain.launcher.spare import Spares
 from dptrain.launcher.watch import Watch, heartbeat
@@ -109,6 +110,13 @@ def _make_directory() -> str:
     return tempfile.mkdtemp(prefix="dptrain_recovery_", dir=where)
 
 
+def _how(spare: Any, forked: bool) -> str:
+    """How a replacement started, for the launcher's line: " (a hot spare)", " (forked from the warm template)", ""."""
+    if spare is None:
+        return ""
+    return " (forked from the warm template)" if forked else " (a hot spare)"
+
+
 class InPlaceRecovery:
     """In-place recovery for one launcher (``job``: its ``_Job``; see [Note: in-place recovery,
     the launcher's side]).
@@ -143,12 +151,14 @@ class InPlaceRecovery:
 
     # -- set-up ------------------------------------------------------------------------------
     def started(self, base_env: dict[str, str]) -> None:
-        """The ranks of an attempt are started: start (or top up) the hot spares."""
+        """The ranks of an attempt are started: start the warm template, start (or top up) the hot spares."""
         job, config = self.job, self.job.config
-        if config.spares and self.spares is None:
+        warm = _settings.get("DPTRAIN_WARM_TEMPLATE")  # see [Note: the warm template] in launcher.template
+        if (config.spares or warm) and self.spares is None:
+            forker = template.start(config.program, config.module, base_env, job.log) if warm else None
             self.spares = Spares(config.spares, config.program, config.module, base_env,
                                  started=lambda pid: job.janitor.tell("group", pid),
-                                 ended=lambda pid: job.janitor.tell("forget", pid), log=job.log)
+                                 ended=lambda pid: job.janitor.tell("forget", pid), log=job.log, template=forker)
         if self.spares is not None:
             self._refill = None
             self.spares.fill()
@@ -277,7 +287,9 @@ class InPlaceRecovery:
                 return False
         traceback = self._bury(failed, attempt)
         spare = self.spares.take() if self.spares is not None else None
-        entry = {"rank": failed.rank, "why": why, "pid": failed.proc.pid, "time": noticed, "spare": spare is not None}
+        forked = getattr(spare, "on_demand", False)  # not waiting before: forked now from the warm template
+        entry = {"rank": failed.rank, "why": why, "pid": failed.proc.pid, "time": noticed,
+                 "spare": spare is not None and not forked, "forked": forked}
         job.store.set(recovery_key(attempt, f"generation/{generation}"), json.dumps(entry))
         environ = dict(failed.environ, DPTRAIN_GENERATION=str(generation))
         if spare is not None and not self.spares.assign(spare, environ, [config.program] + list(config.args)):
@@ -290,7 +302,7 @@ class InPlaceRecovery:
         self.forget_progress()
         self.ended.pop(failed.proc.pid, None)
         job.log(f"dptrain run: rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) {why}; "
-                f"in-place recovery: replacement pid {new.proc.pid}{' (a hot spare)' if spare is not None else ''} "
+                f"in-place recovery: replacement pid {new.proc.pid}{_how(spare, forked)} "
                 f"joins generation {generation} (restart {restart} of {config.max_restarts}); the other ranks keep "
                 f"running")
         # Its last output is shown now, off the path from the failure to the replacement.

@@ -3,7 +3,10 @@
 ``dptrain run --recovery in-place --spares N`` keeps N of them on each node (``Spares``). When
 a rank fails, its replacement is a spare (see ``inplace``): what a fresh process would spend
 before the script's first line -- starting Python, importing torch -- was spent ahead, while
-the job ran, and is off the path from the failure to the replacement joining the job.
+the job ran, and is off the path from the failure to the replacement joining the job. Where
+the node's warm template runs (see [Note: the warm template] in ``template``), the spares are
+its forked children and this module's ``run_task`` runs them; otherwise each spare is an
+interpreter of its own, started as below.
 
 Protocol: the launcher writes one line of JSON to the spare's stdin and closes it::
 
@@ -40,7 +43,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 __all__ = ["Spares", "main"]
 
@@ -87,8 +90,6 @@ def _become(task: dict, path0: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run as a hot spare: import ahead, wait for the launcher's assignment, run the program as ``__main__``."""
-    import runpy
-
     args = sys.argv[1:] if argv is None else argv
     path0 = args[0] if args else os.getcwd()
     if sys.path:
@@ -104,6 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     if task is None:
         return 0
     warming.join()  # the job waits now, so the imports have the machine (and finish fast if not done)
+    return run_task(task, path0)
+
+
+def run_task(task: dict, path0: str) -> int:
+    """Become the rank ``task`` describes and run its program as ``__main__``; the exit code.
+
+    An exception of the program is shown as the interpreter shows a script's, without our
+    frames; ``SystemExit`` goes through, as from a script run the usual way.
+    """
+    import runpy
+
     _become(task, path0)
     try:
         if task.get("module"):
@@ -149,13 +161,18 @@ class Spares:
     """The hot spares of one launcher: ``count`` processes started ahead, each handed to the
     next rank of this node that needs a replacement.
 
+    With a ``template`` (a ``template.Template``, see [Note: the warm template] there) the
+    spares are forked from that one warm process, and a replacement needed when none waits is forked on demand;
+    without it (or where it is gone) each spare is an interpreter of its own.
+
     ``environ`` is the base environment of the ranks (``job.base_environ``); ``started(pid)``
     and ``ended(pid)`` tell the janitor (a spare dies with the launcher, as a rank does);
     ``log`` prints a launcher line.
     """
 
     def __init__(self, count: int, program: str, module: bool, environ: dict[str, str],
-                 started: Callable[[int], None], ended: Callable[[int], None], log: Callable[[str], None]) -> None:
+                 started: Callable[[int], None], ended: Callable[[int], None], log: Callable[[str], None],
+                 template: Any = None) -> None:
         from dptrain.launcher.janitor import parent_death_signal
 
         self.count = count
@@ -164,13 +181,22 @@ class Spares:
         self.environ = environ
         self._started, self._ended, self.log = started, ended, log
         self._preexec = parent_death_signal
-        self.waiting: list[subprocess.Popen] = []  # oldest first: the one most likely warm
+        self.waiting: list = []  # subprocess.Popen or template.ForkedProcess, oldest first: the one most likely warm
+        self.template = template
+        if template is not None:
+            started(template.proc.pid)
 
     def fill(self) -> None:
         """Start spares until ``count`` are waiting (those that died are said once and dropped)."""
+        self._collect()
         for proc in [p for p in self.waiting if p.poll() is not None]:
             self.waiting.remove(proc)
             self._discard(proc, gone=True)
+        if self.template is not None and self.template.alive:
+            for _ in range(self.count - len(self.waiting) - len(self.template.pending)):
+                self.template.request()  # forked once the template is warm; see _collect
+            if self.template.alive:
+                return
         while len(self.waiting) < self.count:
             try:
                 proc = subprocess.Popen(
@@ -185,13 +211,32 @@ class Spares:
             self._started(proc.pid)
             self.waiting.append(proc)
 
-    def take(self) -> subprocess.Popen | None:
-        """A waiting spare, no longer in ``waiting`` (None: none left alive)."""
+    def _collect(self) -> None:
+        """Spares the template forked since last asked join ``waiting``."""
+        if self.template is None:
+            return
+        self.template.pump()
+        for proc in self.template.ready:
+            self._started(proc.pid)
+            self.waiting.append(proc)
+        self.template.ready.clear()
+
+    def take(self):
+        """A waiting spare, no longer in ``waiting``; else one forked now from the warm template
+        (its ``on_demand`` is True); None when neither is left."""
+        self._collect()
         while self.waiting:
             proc = self.waiting.pop(0)
             if proc.poll() is None:
                 return proc
             self._discard(proc, gone=True)
+        if self.template is not None:
+            asked_ahead = bool(self.template.pending)  # a spare asked for by fill, not forked yet
+            proc = self.template.take()
+            if proc is not None:
+                proc.on_demand = not asked_ahead  # forked for this replacement: no spare was there
+                self._started(proc.pid)
+                return proc
         return None
 
     def assign(self, proc: subprocess.Popen, environ: dict[str, str], argv: list[str]) -> bool:
@@ -224,9 +269,13 @@ class Spares:
         self._ended(proc.pid)
 
     def close(self) -> None:
-        """Stop every waiting spare: they hold no work, so SIGKILL at once."""
+        """Stop every waiting spare (they hold no work, so SIGKILL at once), then the template."""
+        self._collect()
         while self.waiting:
             self._discard(self.waiting.pop())
+        if self.template is not None:
+            self.template.close()
+            self._ended(self.template.proc.pid)
 
 
 def _last_line(proc: subprocess.Popen) -> str:

@@ -588,7 +588,8 @@ class InPlaceRecovery:
         who = f"rank {said.get('rank', '?')}" + (f" (pid {said['pid']})" if said.get("pid") else "")
         why = said.get("why", "failed")
         joined = ", ".join(f"rank {r}" for r in new) or "no new rank"
-        how = "a hot spare" if said.get("spare") else "a new process"
+        how = ("a hot spare" if said.get("spare") else
+               "a process forked from the warm template" if said.get("forked") else "a new process")
         print(
             f"dptrain: recovered in place (generation {generation}): {who} {why}, at step {progress['global_step']} "
             f"(epoch {progress['epoch'] + 1}, batch {progress['batch_in_epoch']}); the survivors waited {waited}; "

@@ -59,34 +59,56 @@ gen = int(os.environ.get("DPTRAIN_GENERATION", "0"))
 keys = f"dptrain/attempt{attempt}/dp/"
 store = StoreClient(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
 victim = plan.get("victim", 1)
+PARENT = os.getppid()  # the launcher, or the warm template that forked this process
+with open(f"/proc/{PARENT}/cmdline", "rb") as fh:
+    FORKED = b"dptrain.launcher.template" in fh.read()
+with open(f"/proc/{PARENT}/stat") as fh:
+    LAUNCHER = int(fh.read().rsplit(")", 1)[1].split()[1]) if FORKED else PARENT
 
 
 def say(what, **kw):
     print(what, json.dumps(dict(rank=rank, gen=gen, attempt=attempt, pid=os.getpid(), **kw)), flush=True)
 
 
-def spares():
-    """The launcher's hot spares: [(pid, imported torch)]."""
-    found = []
+def _processes():
+    """{pid: (parent pid, command line)} of every process."""
+    out = {}
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as fh:
-                if int(fh.read().rsplit(")", 1)[1].split()[1]) != os.getppid():
-                    continue
-            with open(f"/proc/{name}/cmdline", "rb") as fh:
-                if b"dptrain.launcher.spare" not in fh.read():
-                    continue
-            with open(f"/proc/{name}/maps") as fh:
-                found.append((int(name), "libtorch" in fh.read()))
-        except OSError:
-            pass
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{name}/cmdline", "rb") as fh:
+                    out[int(name)] = (ppid, fh.read())
+            except OSError:
+                pass
+    return out
+
+
+def templates():
+    """The launcher's warm templates (pids)."""
+    return [pid for pid, (ppid, cmd) in _processes().items()
+            if ppid == LAUNCHER and b"dptrain.launcher.template" in cmd]
+
+
+def spares():
+    """The launcher's hot spares, started by it or forked by its template: [(pid, imported torch)]."""
+    found = []
+    procs = _processes()
+    forkers = set(templates())
+    for pid, (ppid, cmd) in procs.items():
+        if (ppid == LAUNCHER and b"dptrain.launcher.spare" in cmd) or ppid in forkers:
+            try:
+                with open(f"/proc/{pid}/maps") as fh:
+                    found.append((pid, "libtorch" in fh.read()))
+            except OSError:
+                pass
     return found
 
 
 folder = os.environ.get("DPTRAIN_RECOVERY_DIR")
-say("START", t=STARTED, age=AGE, torch=HAD_TORCH, local_rank=int(os.environ["LOCAL_RANK"]),
+say("START", t=STARTED, age=AGE, torch=HAD_TORCH, local_rank=int(os.environ["LOCAL_RANK"]), forked=FORKED,
+    parent=PARENT, own_session=os.getsid(0) == os.getpid(), stdin=os.path.realpath("/proc/self/fd/0"),
     recovery=os.environ.get("DPTRAIN_RECOVERY"), folder=folder,
     mode=stat.S_IMODE(os.stat(folder).st_mode) if folder else None)
 if rank not in plan.get("incapable", []):
@@ -108,6 +130,10 @@ stalls = plan.get("how") == "stall" and gen == 0
 if rank == victim:
     if attempt in plan.get("die_attempts", [0]) and gen in plan.get("die_gens", [0]):
         store.wait([keys + f"recovery/capable/{r}" for r in range(world) if r not in plan.get("incapable", [])])
+        if plan.get("kill_template"):
+            (pid,) = templates()
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)  # its end is seen by the launcher's next poll
         if plan.get("wait_spare"):
             while not any(warm for _, warm in spares()):
                 time.sleep(0.05)
@@ -159,8 +185,12 @@ def fake(tmp_path):
 
 
 def dptrain_run(*args, timeout=30, env=None):
-    """``dptrain run ARGS`` as a subprocess, killed after ``timeout`` seconds (then the test fails)."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    """``dptrain run ARGS`` as a subprocess, killed after ``timeout`` seconds (then the test fails).
+
+    Without the warm template unless ``env`` asks for it: a template imports torch, seconds of
+    CPU that the launcher's protocol, tested here with fakes, does not need."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", DPTRAIN_WARM_TEMPLATE="0")
+    full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "dptrain", "run", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=full_env)
 
@@ -189,7 +219,7 @@ def _alive(pid: int) -> bool:
 
 def _replacement_line(stderr: str) -> re.Match:
     m = re.search(r"dptrain run: rank 1 \(local rank 1, pid (\d+)\) (.*?); in-place recovery: replacement pid (\d+)"
-                  r"( \(a hot spare\))? joins generation (\d+) \(restart (\d+) of (\d+)\); the other ranks keep running",
+                  r"( \(a hot spare\)| \(forked from the warm template\))? joins generation (\d+) \(restart (\d+) of (\d+)\); the other ranks keep running",
                   stderr)
     assert m, stderr
     return m
@@ -268,9 +298,10 @@ def test_a_rank_that_writes_fallback_gets_a_restart_of_all(fake):
 
 
 # -- hot spares -------------------------------------------------------------------------------------
-def test_a_hot_spare_becomes_the_replacement(fake):
+@pytest.mark.parametrize("template", ["0", "1"], ids=["interpreter", "forked"])
+def test_a_hot_spare_becomes_the_replacement(fake, template):
     out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "2", "--spares", "1",
-                      fake, json.dumps({"wait_spare": True}))
+                      fake, json.dumps({"wait_spare": True}), env={"DPTRAIN_WARM_TEMPLATE": template})
     assert out.returncode == 0, out.stderr
     evts = events(out.stdout)
     (died,) = said(evts, "DYING", rank=1)
@@ -279,6 +310,9 @@ def test_a_hot_spare_becomes_the_replacement(fake):
     assert int(line[3]) == replacement["pid"] and line[4] == " (a hot spare)"
     # The spare had imported torch and was running before the rank died; the script got its argv and env.
     assert replacement["torch"] is True and replacement["local_rank"] == 1
+    # Forked from the template (one import for every spare) or an interpreter of its own.
+    assert replacement["forked"] is (template == "1")
+    assert replacement["own_session"] and replacement["stdin"] == os.devnull
     gap = replacement["t"] - died["t"]
     assert replacement["age"] > gap  # it existed before the rank died; how fast it took over is the benchmark's
     (end0,) = said(evts, "END", rank=0)
@@ -290,6 +324,51 @@ def test_a_hot_spare_becomes_the_replacement(fake):
     fresh = [pid for pid in end0["spares"] if pid != replacement["pid"]]
     assert len(fresh) == 1, end0
     assert not _alive(fresh[0]) and not _alive(replacement["pid"])
+
+
+# -- the warm template ------------------------------------------------------------------------------
+def test_without_a_spare_the_replacement_is_forked_from_the_warm_template(fake):
+    out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "3", fake, "{}",
+                      env={"DPTRAIN_WARM_TEMPLATE": "1"})
+    assert out.returncode == 0, out.stderr  # the replacement's exit code 0 came back through the template
+    evts = events(out.stdout)
+    first, second = said(evts, "START", rank=1)
+    (start0,) = said(evts, "START", rank=0)
+    assert not first["forked"] and not start0["forked"]  # the job's own ranks are interpreters of their own
+    # The replacement is a child of the template: torch imported before its script ran, a session
+    # of its own (the launcher stops it and its workers with killpg), stdin /dev/null, its own output.
+    assert second["forked"] and second["torch"] and second["own_session"] and second["stdin"] == os.devnull
+    assert second["parent"] != start0["parent"] and second["local_rank"] == 1 and second["gen"] == 1
+    line = _replacement_line(out.stderr)
+    assert int(line[3]) == second["pid"] and line[4] == " (forked from the warm template)"
+    (end0,) = said(evts, "END", rank=0)
+    (entry,) = end0["generations"]
+    assert (entry["spare"], entry["forked"]) == (False, True)
+    assert not _alive(second["parent"])  # the template is gone with the job
+    assert "warm template" not in out.stderr.replace(line[0], "")  # nothing else said about it
+
+
+def test_a_forked_replacements_death_is_seen_and_counted_as_any_ranks(fake):
+    out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "1", fake,
+                      json.dumps({"die_gens": [0, 1]}), env={"DPTRAIN_WARM_TEMPLATE": "1"})
+    assert out.returncode == 1, out.stderr
+    evts = events(out.stdout)
+    second = said(evts, "START", rank=1, gen=1)[0]
+    assert second["forked"]
+    assert (f"dptrain run: rank 1 (local rank 1, pid {second['pid']}) was killed by SIGKILL" in out.stderr
+            and "giving up after 1 restart(s)" in out.stderr), out.stderr
+
+
+def test_a_dead_template_leaves_replacements_to_new_interpreters(fake):
+    out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "3", fake,
+                      json.dumps({"kill_template": True}), env={"DPTRAIN_WARM_TEMPLATE": "1"})
+    assert out.returncode == 0, out.stderr
+    evts = events(out.stdout)
+    second = said(evts, "START", rank=1, gen=1)[0]
+    assert not second["forked"] and not second["torch"]
+    assert re.search(r"dptrain run: the warm template \(pid \d+\) exited with code -9; a failed rank's replacement "
+                     r"starts as a new process from now on", out.stderr), out.stderr
+    assert " (forked from the warm template)" not in out.stderr
 
 
 # -- a stalled rank --------------------------------------------------------------------------------

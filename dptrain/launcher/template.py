@@ -1,0 +1,382 @@
+"""The warm template: one process per node that imports torch and dptrain once, from which
+in-place recovery forks a failed rank's replacement, and the hot spares, in milliseconds.
+
+[Note: the warm template]
+Without it a replacement is a new interpreter: starting Python and importing torch, dptrain
+and ``torch._dynamo`` take seconds of CPU (3-4 s on a 2-core machine), while every survivor
+waits -- the whole of what in-place recovery without a spare lost, about as much as
+restarting the whole job. ``dptrain run --recovery in-place`` therefore starts this process
+beside its ranks on each node (``python -u -m dptrain.launcher.template PATH FD``). It imports
+what a hot spare imports (see [Note: what a spare imports ahead] in ``spare``), on a thread of
+the idle scheduling class, and then only forks: each child is a hot spare that reads its task
+from its stdin and runs the program as ``__main__`` (``spare.run_task``). A fork takes a few
+milliseconds where an interpreter takes seconds, and costs no second import: one template
+serves any number of replacements, and ``--spares N`` are forked from it too. Turn it off with
+``DPTRAIN_WARM_TEMPLATE=0`` (a replacement without a spare then starts a new interpreter).
+
+What makes a forked child the process a fresh start would have made:
+
+* it is forked from the template's only thread (the warm-up thread has ended), so no lock
+  held by another thread is copied locked;
+* the objects imported are frozen out of the garbage collector before forking
+  (``gc.freeze``): a collection in the child does not write to -- and so copy -- every page
+  the template's objects live on (0.25 s of page copies per child without it);
+* it gets a session and process group of its own (as a rank started by the launcher, whose
+  ``killpg`` stops it and its DataLoader workers), its stdin, stdout and stderr from the
+  launcher (three pipes passed over the socket with ``SCM_RIGHTS``), the parent-death signal
+  (SIGTERM when the template is gone), and the default SIGCHLD handling;
+* ``random`` reseeds itself at a fork; numpy's global generator does not, so it is reseeded
+  from the OS as at a fresh import. torch's default generator has the same fixed seed as
+  in a fresh process. No CUDA context, store connection or process group exists yet.
+
+Protocol, over a ``SOCK_SEQPACKET`` socket pair (one message a packet, JSON):
+
+* launcher -> template: ``{"op": "fork"}`` with three descriptors (stdin's read end, stdout's
+  and stderr's write ends);
+* template -> launcher: ``{"forked": PID}`` or ``{"error": TEXT}`` for each fork, in the order
+  asked, and ``{"exit": PID, "code": CODE}`` when a child ends (``CODE`` as
+  ``Popen.returncode``: negative for a signal). The launcher is not the children's parent, so
+  their exit codes come this way.
+
+An end of input ends the template. This module imports only the standard library at its top
+(the launcher imports it, and never imports torch).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+from dptrain.launcher.spare import _read_task, _warm_up_idle, run_task, spare_path0
+
+__all__ = ["Template", "ForkedProcess", "supported", "start", "main"]
+
+#: Seconds a replacement waits for the template to fork it: it may still be importing (at the
+#: idle class, so slowly while the ranks train; fast once they wait). After that the
+#: replacement starts afresh.
+FORK_WAIT_S = 60.0
+
+
+def supported() -> bool:
+    """Whether this platform can run a template: fork, and descriptors passed over a Unix socket."""
+    return hasattr(os, "fork") and hasattr(socket, "send_fds") and hasattr(socket, "SOCK_SEQPACKET")
+
+
+def start(program: str, module: bool, environ: dict[str, str], log: Callable[[str], None]) -> "Template | None":
+    """A warm template for ``program`` (see ``Template``); None where this platform cannot run
+    one or it could not start (said through ``log``): replacements then start afresh."""
+    if not supported():
+        return None
+    try:
+        return Template(program, module, environ, log)
+    except OSError as exc:
+        log(f"dptrain run: could not start the warm template ({exc}); a failed rank's replacement starts as a new "
+            f"process")
+        return None
+
+
+# ---------------------------------------------------------------------- the template's side --
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run as the template: import ahead, then fork a hot spare per request (see the Note)."""
+    args = sys.argv[1:] if argv is None else argv
+    path0, fd = args[0], int(args[1])
+    if sys.path:
+        sys.path[0] = path0  # as a spare's: the rank's own sys.path[0]
+    sock = socket.socket(fileno=fd)
+    warming = threading.Thread(target=_warm_up_idle, name="dptrain-template-warm-up", daemon=True)
+    warming.start()
+    warming.join()  # a fork copies only the forking thread: none may be left mid-import
+    gc.freeze()
+    fds = _serve(sock)
+    if fds is None:
+        return 0
+    return _child(fds, path0)
+
+
+def _serve(sock: socket.socket) -> list[int] | None:
+    """Fork on request and report children's exits until the launcher's end closes (None);
+    in a child, return the three descriptors it was given."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wake-up descriptor is written
+    signal.set_wakeup_fd(wake_w)
+    while True:
+        ready, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in ready:
+            while True:
+                try:
+                    if not os.read(wake_r, 512):
+                        break
+                except BlockingIOError:
+                    break
+        _reap(sock)
+        if sock not in ready:
+            continue
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 4096, 3)
+        except OSError:
+            return None
+        if not msg:
+            return None  # the launcher closed its end (or is gone)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            _send(sock, {"error": f"fork failed: {exc}"})
+            continue
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.close(wake_r)
+            os.close(wake_w)
+            sock.close()
+            return fds
+        for fd in fds:
+            os.close(fd)
+        _send(sock, {"forked": pid})
+
+
+def _reap(sock: socket.socket) -> None:
+    """Report every child that ended (its code as ``Popen.returncode`` gives it)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _send(sock: socket.socket, msg: dict) -> None:
+    try:
+        sock.send(json.dumps(msg).encode())
+    except OSError:  # the launcher is gone: the next read ends the template
+        pass
+
+
+def _child(fds: list[int], path0: str) -> int:
+    """In a forked child: become a process of its own, then a hot spare (see the Note)."""
+    from dptrain.launcher.janitor import parent_death_signal
+
+    os.setsid()
+    stop_with_parent = parent_death_signal(os.getppid())
+    if stop_with_parent is not None:
+        stop_with_parent()
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        try:
+            numpy.random.seed()  # from the OS, as a fresh import seeds it
+        except Exception:  # noqa: BLE001 - best effort: the script meets a broken numpy itself
+            pass
+    try:
+        task = _read_task()
+    except (OSError, ValueError):
+        return 0
+    if task is None:
+        return 0  # the launcher no longer needs this spare
+    return run_task(task, path0)
+
+
+# --------------------------------------------------------------------- the launcher's side --
+
+
+class ForkedProcess:
+    """A child of the template, with what the launcher uses of ``subprocess.Popen``: ``pid``,
+    the three pipes, ``poll``, ``wait`` and ``returncode`` (reported by the template)."""
+
+    def __init__(self, template: "Template", pid: int, ends: tuple[int, int, int]) -> None:
+        self.template = template
+        self.pid = pid
+        self.args = ["<forked from the warm template>"]
+        self.stdin = os.fdopen(ends[0], "wb")
+        self.stdout = os.fdopen(ends[1], "rb")
+        self.stderr = os.fdopen(ends[2], "rb")
+        self.returncode: int | None = None
+        self.on_demand = False  # forked for a replacement that found no spare waiting (see spare.Spares.take)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.template.pump()
+            self.returncode = self.template.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.template.pump(left)
+        return self.returncode
+
+
+class Template:
+    """The launcher's end of one warm template (see [Note: the warm template]).
+
+    ``request()`` asks for a fork and returns at once; ``pump()`` reads the template's
+    answers: forked children wait in ``ready`` (oldest first), exit codes in ``exit_code``.
+    ``environ`` is the base environment of the ranks; ``log`` prints a launcher line.
+    """
+
+    def __init__(self, program: str, module: bool, environ: dict[str, str], log: Callable[[str], None]) -> None:
+        from dptrain.launcher.janitor import parent_death_signal
+
+        self.log = log
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "dptrain.launcher.template", spare_path0(program, module),
+                 str(theirs.fileno())],
+                env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=parent_death_signal(os.getpid()),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.pending: list[tuple[int, int, int]] = []  # our ends of the pipes of each fork asked, oldest first
+        self.ready: list[ForkedProcess] = []
+        self._codes: dict[int, int] = {}
+        self._children: set[int] = set()
+        self.gone = False
+
+    @property
+    def alive(self) -> bool:
+        if not self.gone and self.proc.poll() is not None:
+            self.pump()  # what it said before it ended still counts
+            self._lost()
+        return not self.gone
+
+    def request(self) -> bool:
+        """Ask for one more forked spare (it arrives in ``ready``); False if the template is gone."""
+        if not self.alive:
+            return False
+        stdin_r, stdin_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            socket.send_fds(self.sock, [json.dumps({"op": "fork"}).encode()], [stdin_r, out_w, err_w])
+        except OSError:
+            for fd in (stdin_w, out_r, err_r):
+                os.close(fd)
+            self._lost()
+            return False
+        finally:
+            for fd in (stdin_r, out_w, err_w):  # the child's ends: only the child keeps them
+                os.close(fd)
+        self.pending.append((stdin_w, out_r, err_r))
+        return True
+
+    def pump(self, wait_s: float = 0.0, until: Callable[[], bool] | None = None) -> None:
+        """Read what the template said; wait up to ``wait_s`` for a message (or for ``until()``)."""
+        deadline = time.monotonic() + wait_s
+        while not self.gone:
+            left = max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self.sock], [], [], left)
+            if not ready:
+                return
+            try:
+                data = self.sock.recv(4096)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self._lost()
+                return
+            self._handle(json.loads(data))
+            if until is not None and until():
+                return
+            deadline = time.monotonic() if until is None else deadline  # once a message came, only drain
+
+    def _handle(self, msg: dict) -> None:
+        if "exit" in msg:
+            self._codes[int(msg["exit"])] = int(msg["code"])
+        elif "forked" in msg and self.pending:
+            pid = int(msg["forked"])
+            self._children.add(pid)
+            self.ready.append(ForkedProcess(self, pid, self.pending.pop(0)))
+        elif "error" in msg and self.pending:
+            for fd in self.pending.pop(0):
+                os.close(fd)
+            self.log(f"dptrain run: the warm template could not fork a spare ({msg['error']})")
+
+    def take(self, wait_s: float = FORK_WAIT_S) -> ForkedProcess | None:
+        """A forked spare: one ready, else one asked for now, waited for up to ``wait_s``."""
+        self.pump()
+        if not self.ready and not self.pending and not self.request():
+            return None
+        self.pump(wait_s, until=lambda: bool(self.ready))
+        return self.ready.pop(0) if self.ready else None
+
+    def exit_code(self, pid: int) -> int | None:
+        """The exit code of child ``pid`` once it ended, else None."""
+        code = self._codes.get(pid)
+        if code is None and self.gone and pid in self._children and not _running(pid):
+            # The template died first: the child got its parent-death signal, and nobody is left to say.
+            code = -int(signal.SIGTERM)
+        return code
+
+    def _lost(self) -> None:
+        if self.gone:
+            return
+        self.gone = True
+        for ends in self.pending:
+            for fd in ends:
+                os.close(fd)
+        self.pending.clear()
+        self.proc.poll()
+        self.log(f"dptrain run: the warm template (pid {self.proc.pid}) "
+                 f"{'exited with code ' + str(self.proc.returncode) if self.proc.returncode is not None else 'closed'}"
+                 f"; a failed rank's replacement starts as a new process from now on")
+
+    def close(self) -> None:
+        """End the template (its children were stopped by then: they are ranks or spares)."""
+        self.gone = True
+        for proc in self.ready:
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                pipe.close()
+        self.ready.clear()
+        for ends in self.pending:
+            for fd in ends:
+                os.close(fd)
+        self.pending.clear()
+        self.sock.close()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.proc.stderr.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

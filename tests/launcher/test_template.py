@@ -1,0 +1,133 @@
+"""The warm template (dptrain.launcher.template): what a child forked from it is, told and reports.
+
+One template serves every test here (it imports torch once, seconds of CPU); each test forks
+children from it, hands them a task as the launcher does (``Spares.assign``) and reads what
+the program printed. Linux only: the template forks and passes descriptors over a socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+
+from dptrain.launcher import template as template_module
+from dptrain.launcher.template import Template
+
+pytestmark = pytest.mark.skipif(not template_module.supported() or not sys.platform.startswith("linux"),
+                                reason="the warm template needs fork and SCM_RIGHTS (Linux)")
+
+#: Prints what a fresh ``python -u prog.py ARGS`` would have, then ends as its argument says.
+PROGRAM = r'''
+import gc, json, os, random, signal, sys
+import numpy
+state = {
+    "argv": sys.argv, "name": __name__, "file": os.path.basename(__file__), "x": os.environ.get("X"),
+    "path0": sys.path[0], "torch": "torch" in sys.modules, "sid": os.getsid(0) == os.getpid(),
+    "pgid": os.getpgid(0) == os.getpid(), "sigchld": signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL,
+    "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler, "stdin": os.read(0, 10).decode(),
+    "numpy": int(numpy.random.randint(1 << 30)), "random": random.getrandbits(30),
+    "threads": len(os.listdir("/proc/self/task")), "frozen": gc.get_freeze_count() > 0,
+}
+print(json.dumps(state), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+how = sys.argv[1]
+if how == "raise":
+    raise ValueError("the script's own error")
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(int(how))
+'''
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prog")
+    program = folder / "prog.py"
+    program.write_text(PROGRAM)
+    lines = []
+    tpl = Template(str(program), False, dict(os.environ, OMP_NUM_THREADS="1"), lines.append)
+    tpl.program, tpl.folder, tpl.lines = str(program), str(folder), lines
+    yield tpl
+    tpl.close()
+    assert tpl.proc.returncode is not None
+
+
+def _run(tpl, *args, env=None):
+    """Fork a child, give it the task, and return (exit code, its state, its stderr)."""
+    child = tpl.take(wait_s=120)
+    assert child is not None, tpl.lines
+    task = {"env": dict(os.environ, X="rank", **(env or {})), "argv": [tpl.program, *args],
+            "program": tpl.program, "module": False}
+    child.stdin.write(json.dumps(task).encode() + b"\n")
+    child.stdin.close()
+    out, err = child.stdout.read(), child.stderr.read()
+    code = child.wait(timeout=60)
+    child.stdout.close()
+    child.stderr.close()
+    lines = out.decode().splitlines()
+    return code, (json.loads(lines[0]) if lines else None), err.decode()
+
+
+def test_a_forked_child_runs_the_program_as_a_fresh_interpreter_would(template):
+    code, state, err = _run(template, "3")
+    assert code == 3  # the exit code comes back through the template
+    assert state["argv"] == [template.program, "3"] and state["name"] == "__main__" and state["file"] == "prog.py"
+    assert state["x"] == "rank" and state["path0"] == template.folder
+    assert state["torch"]  # imported ahead: what the fork saves
+    assert state["sid"] and state["pgid"]  # a session and process group of its own, as a rank's
+    assert state["sigchld"] and state["sigint"]  # the template's SIGCHLD handler is not inherited
+    assert state["stdin"] == ""  # /dev/null once the task is read, as a rank's
+    assert state["threads"] == 1  # forked from the only thread: no import was half done in another
+    assert state["frozen"]  # the template's objects stay out of the collector: no page copied for them
+    assert err == "to stderr\n"
+
+
+def test_each_child_draws_its_own_random_numbers(template):
+    (_, a, _), (_, b, _) = _run(template, "0"), _run(template, "0")
+    assert a["numpy"] != b["numpy"] and a["random"] != b["random"]
+
+
+def test_a_childs_exception_and_signal_are_reported_as_a_scripts(template):
+    code, _, err = _run(template, "raise")
+    assert code == 1
+    assert err.startswith("to stderr\nTraceback (most recent call last):\n"), err
+    assert 'prog.py", line' in err and "ValueError: the script's own error" in err
+    assert "runpy" not in err and "template.py" not in err and "spare.py" not in err  # none of our frames
+    code, _, _ = _run(template, "kill")
+    assert code == -signal.SIGKILL
+
+
+def test_a_spare_no_longer_needed_ends_with_code_0(template):
+    child = template.take(wait_s=120)
+    child.stdin.close()  # the launcher's end of input without a task
+    assert child.wait(timeout=30) == 0
+    assert child.stdout.read() == b"" and child.stderr.read() == b""
+    for pipe in (child.stdout, child.stderr):
+        pipe.close()
+
+
+def test_the_template_ends_with_its_launchers_end_of_input(tmp_path):
+    program = tmp_path / "prog.py"
+    program.write_text("")
+    tpl = Template(str(program), False, dict(os.environ), print)
+    tpl.sock.close()
+    assert tpl.proc.wait(timeout=60) == 0
+    tpl.proc.stderr.close()
+
+
+def test_the_launcher_and_a_fork_request_wait_for_nothing_but_the_template(tmp_path):
+    # A template gone before it answered: the request is refused at once, the launcher says so once.
+    program = tmp_path / "prog.py"
+    program.write_text("")
+    lines = []
+    tpl = Template(str(program), False, dict(os.environ), lines.append)
+    os.kill(tpl.proc.pid, signal.SIGKILL)
+    tpl.proc.wait()
+    assert tpl.take(wait_s=30) is None
+    assert tpl.take(wait_s=30) is None
+    assert len(lines) == 1 and "exited with code -9" in lines[0], lines
+    tpl.close()
