@@ -25,6 +25,9 @@ What makes a forked child the process a fresh start would have made:
   ``killpg`` stops it and its DataLoader workers), its stdin, stdout and stderr from the
   launcher (three pipes passed over the socket with ``SCM_RIGHTS``), the parent-death signal
   (SIGTERM when the template is gone), and the default SIGCHLD handling;
+* it is not forked at all where the imports ahead loaded the CUDA driver (``cuda_driver_loaded``):
+  CUDA does not survive a fork. The template then ends with ``UNUSABLE`` and says why, the
+  launcher shows that, and replacements start as new interpreters;
 * ``random`` reseeds itself at a fork; numpy's global generator does not, so it is reseeded
   from the OS as at a fresh import. torch's default generator has the same fixed seed as
   in a fresh process. No CUDA context, store connection or process group exists yet.
@@ -56,9 +59,12 @@ import threading
 import time
 from typing import Callable
 
-from dptrain.launcher.spare import _read_task, _warm_up_idle, run_task, spare_path0
+from dptrain.launcher.spare import _last_line, _read_task, _warm_up_idle, run_task, spare_path0
 
 __all__ = ["Template", "ForkedProcess", "supported", "start", "main"]
+
+#: The template's exit code when it must not fork (see ``cuda_driver_loaded``); it says why on stderr.
+UNUSABLE = 3
 
 #: Seconds a replacement waits for the template to fork it: it may still be importing (at the
 #: idle class, so slowly while the ranks train; fast once they wait). After that the
@@ -97,11 +103,34 @@ def main(argv: list[str] | None = None) -> int:
     warming = threading.Thread(target=_warm_up_idle, name="dptrain-template-warm-up", daemon=True)
     warming.start()
     warming.join()  # a fork copies only the forking thread: none may be left mid-import
+    driver = cuda_driver_loaded()
+    if driver:
+        print(f"importing ahead loaded the CUDA driver ({driver}): a process forked after that cannot use CUDA",
+              file=sys.stderr, flush=True)
+        return UNUSABLE
     gc.freeze()
     fds = _serve(sock)
     if fds is None:
         return 0
     return _child(fds, path0)
+
+
+def cuda_driver_loaded(maps: str = "/proc/self/maps") -> str:
+    """The CUDA driver library this process has loaded ("" if none): loaded, it was called.
+
+    torch loads ``libcuda`` only when it first talks to the driver (a device count, a
+    context). CUDA does not survive a fork: a child of a process that did so fails at its
+    first CUDA call, so such a template must not fork ranks.
+    """
+    try:
+        with open(maps) as fh:
+            for line in fh:
+                name = line.rsplit("/", 1)[-1].strip()
+                if name.startswith("libcuda.so"):
+                    return name
+    except OSError:
+        pass
+    return ""
 
 
 def _serve(sock: socket.socket) -> list[int] | None:
@@ -344,9 +373,10 @@ class Template:
             for fd in ends:
                 os.close(fd)
         self.pending.clear()
-        self.proc.poll()
+        code = self.proc.poll()
+        last = _last_line(self.proc) if code is not None else ""
         self.log(f"dptrain run: the warm template (pid {self.proc.pid}) "
-                 f"{'exited with code ' + str(self.proc.returncode) if self.proc.returncode is not None else 'closed'}"
+                 f"{'closed its end' if code is None else f'exited with code {code}'}{f': {last}' if last else ''}"
                  f"; a failed rank's replacement starts as a new process from now on")
 
     def close(self) -> None:

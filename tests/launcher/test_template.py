@@ -59,6 +59,8 @@ def template(tmp_path_factory):
 def _run(tpl, *args, env=None):
     """Fork a child, give it the task, and return (exit code, its state, its stderr)."""
     child = tpl.take(wait_s=120)
+    if child is None and any("CUDA driver" in line for line in tpl.lines):
+        pytest.skip(f"this torch loads the CUDA driver as it is imported: no forks ({tpl.lines})")
     assert child is not None, tpl.lines
     task = {"env": dict(os.environ, X="rank", **(env or {})), "argv": [tpl.program, *args],
             "program": tpl.program, "module": False}
@@ -117,6 +119,35 @@ def test_the_template_ends_with_its_launchers_end_of_input(tmp_path):
     tpl.sock.close()
     assert tpl.proc.wait(timeout=60) == 0
     tpl.proc.stderr.close()
+
+
+def test_a_template_that_cannot_fork_says_why_and_replacements_start_afresh(tmp_path):
+    # Its interpreter ends before serving (here a sitecustomize that exits; on a machine whose
+    # torch loads the CUDA driver at import, the template's own check): the launcher's one
+    # line has its code and last words, and a fork asked for is refused at once.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.write(2, b'cannot fork here\\n')\nos._exit(3)\n")
+    program = tmp_path / "prog.py"
+    program.write_text("")
+    lines = []
+    tpl = Template(str(program), False, dict(os.environ, PYTHONPATH=str(site)), lines.append)
+    tpl.proc.wait(timeout=60)
+    assert tpl.take(wait_s=30) is None
+    assert lines == [f"dptrain run: the warm template (pid {tpl.proc.pid}) exited with code 3: cannot fork here; "
+                     f"a failed rank's replacement starts as a new process from now on"], lines
+    tpl.close()
+
+
+def test_the_cuda_driver_loaded_is_seen_in_the_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f10 r-xp 00000000 08:01 123 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+                    "7f20-7f30 r-xp 00000000 08:01 456 /opt/torch/lib/libtorch_cuda.so\n")
+    assert template_module.cuda_driver_loaded(str(maps)) == ""
+    with open(maps, "a") as fh:
+        fh.write("7f40-7f50 r-xp 00000000 08:01 789 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n")
+    assert template_module.cuda_driver_loaded(str(maps)) == "libcuda.so.550.54.15"
+    assert template_module.cuda_driver_loaded(str(tmp_path / "missing")) == ""
 
 
 def test_the_launcher_and_a_fork_request_wait_for_nothing_but_the_template(tmp_path):
