@@ -31,7 +31,7 @@ demo: venv
 	@echo "(or call $(VENV)/bin/dptrain and $(VENV)/bin/python directly; README.md, Quick start)"
 
 test: venv
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 bench: venv
 	$(PY) benchmarks/ddp_step.py
