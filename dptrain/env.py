@@ -233,6 +233,33 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
     return keys
 
 
+def _threads_as_if_fresh() -> None:
+    """Give a process that imported torch before its script ran the thread count a fresh one has.
+
+    A hot spare and a child of the warm template (``dptrain.launcher.spare``, ``.template``)
+    imported torch under the launcher's environment; OpenMP read ``OMP_NUM_THREADS`` then. A
+    script that sets it itself before its ``import torch`` gets that count in a fresh process,
+    and a replacement must compute with as many threads as the rank it replaces: a CPU result
+    can depend on it, and in-place recovery promises the bits of an uninterrupted run. So
+    where the variable now differs from what the import saw, the count is set as the import
+    would have set it (unset: one thread per core this process may use).
+    """
+    spare = sys.modules.get("dptrain.launcher.spare")
+    seen = getattr(spare, "OMP_AT_IMPORT", None)
+    now = os.environ.get("OMP_NUM_THREADS")
+    if seen is None or seen[0] == now:
+        return
+    if now is None:
+        torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        return
+    try:
+        count = int(now.split(",")[0])  # OpenMP's list form: the outermost level's count
+    except ValueError:  # OpenMP ignores a value it cannot read, and so does this
+        return
+    if count > 0:
+        torch.set_num_threads(count)
+
+
 def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> World:
     """Join the job: build the process group from the launcher's environment.
 
@@ -274,6 +301,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     if _STATE.world is not None:
         return _STATE.world
     _settings.check_all()  # a bad DPTRAIN_* value fails here, in one line, not at its first use
+    _threads_as_if_fresh()
     if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
         raise ValueError(f"unknown backend {backend!r}; use 'gloo' (CPU), 'nccl' (CUDA) or None to choose")
     td = _timeout_from(timeout)

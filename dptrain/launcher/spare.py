@@ -27,8 +27,12 @@ do more before it knows which rank it becomes: no CUDA context (the device is th
 rank, and a context made on the wrong GPU holds its memory there), no store connection, no
 process group. A variable torch reads as it is imported (``OMP_NUM_THREADS``) is the same in
 the spare's environment as in the rank's: both start from the launcher's base environment
-(``job.base_environ``); what differs (``RANK``, ``LOCAL_RANK``, ...) is read only at use. The
-imports are best effort: one that fails is left for the script to meet, under its rank's name.
+(``job.base_environ``); what differs (``RANK``, ``LOCAL_RANK``, ...) is read only at use. A
+script that sets ``OMP_NUM_THREADS`` itself before its ``import torch`` is the exception:
+``dptrain.init`` then sets the thread count that a fresh import would have given
+(``OMP_AT_IMPORT``), so that a replacement computes with the threads of the rank it replaces.
+The imports are best effort: one that fails is left for the script to meet, under its rank's
+name.
 
 The spare is started as ``python -u -m dptrain.launcher.spare PATH``, where PATH is what
 ``sys.path[0]`` is for the program run the usual way (its folder, or the working directory with
@@ -51,8 +55,16 @@ __all__ = ["Spares", "main"]
 # ------------------------------------------------------------------------ the spare's side --
 
 
+#: In a process that imported torch ahead (a spare, the warm template and its children): the
+#: OpenMP thread count its environment gave as torch was imported, ``(value or None,)``; None
+#: elsewhere. ``dptrain.init`` reads it (see ``dptrain.env._threads_as_if_fresh``).
+OMP_AT_IMPORT: tuple[str | None] | None = None
+
+
 def _warm_up() -> None:
     """Import what every dptrain rank imports (see [Note: what a spare imports ahead])."""
+    global OMP_AT_IMPORT
+    OMP_AT_IMPORT = (os.environ.get("OMP_NUM_THREADS"),)  # OpenMP reads it as torch's libraries load
     try:
         import torch  # noqa: F401
         import torch.distributed  # noqa: F401
@@ -162,8 +174,8 @@ class Spares:
     next rank of this node that needs a replacement.
 
     With a ``template`` (a ``template.Template``, see [Note: the warm template] there) the
-    spares are forked from that one warm process, and a replacement needed when none waits is forked on demand;
-    without it (or where it is gone) each spare is an interpreter of its own.
+    spares are forked from that one warm process, and a replacement needed when none waits is
+    forked on demand; without it (or where it is gone) each spare is an interpreter of its own.
 
     ``environ`` is the base environment of the ranks (``job.base_environ``); ``started(pid)``
     and ``ended(pid)`` tell the janitor (a spare dies with the launcher, as a rank does);

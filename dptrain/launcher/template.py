@@ -73,8 +73,10 @@ FORK_WAIT_S = 60.0
 
 
 def supported() -> bool:
-    """Whether this platform can run a template: fork, and descriptors passed over a Unix socket."""
-    return hasattr(os, "fork") and hasattr(socket, "send_fds") and hasattr(socket, "SOCK_SEQPACKET")
+    """Whether this platform can run a template: Linux (a fork of a process holding torch is safe
+    there; macOS's system libraries are not fork-safe), and descriptors passed over a Unix socket."""
+    return (sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(socket, "send_fds")
+            and hasattr(socket, "SOCK_SEQPACKET"))
 
 
 def start(program: str, module: bool, environ: dict[str, str], log: Callable[[str], None]) -> "Template | None":

@@ -30,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #: ``die_gens`` (when it fails: attempt numbers and generations), ``incapable`` (ranks that do
 #: not write ``capable``), ``fallback`` (rank 0 writes it, and exits 75, on seeing generation
 #: 1 of attempt 0), ``wait_spare`` (the victim fails only once a hot spare has imported torch;
-#: its replacement says which spares run (``JOINED``) before it writes ``recovery/done/<g>``).
+#: its replacement says which spares run (``JOINED``) before it writes ``recovery/done/<g>``),
+#: ``kill_template`` (the victim SIGKILLs the launcher's warm template before it dies).
 #: Every rank but the victim waits for the victim to finish (``test/done``).
 FAKE_RANK = r'''
 import os, sys, time
@@ -219,7 +220,8 @@ def _alive(pid: int) -> bool:
 
 def _replacement_line(stderr: str) -> re.Match:
     m = re.search(r"dptrain run: rank 1 \(local rank 1, pid (\d+)\) (.*?); in-place recovery: replacement pid (\d+)"
-                  r"( \(a hot spare\)| \(forked from the warm template\))? joins generation (\d+) \(restart (\d+) of (\d+)\); the other ranks keep running",
+                  r"( \(a hot spare\)| \(forked from the warm template\))? joins generation (\d+) "
+                  r"\(restart (\d+) of (\d+)\); the other ranks keep running",
                   stderr)
     assert m, stderr
     return m

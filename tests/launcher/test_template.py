@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -17,20 +18,26 @@ import pytest
 from dptrain.launcher import template as template_module
 from dptrain.launcher.template import Template
 
-pytestmark = pytest.mark.skipif(not template_module.supported() or not sys.platform.startswith("linux"),
-                                reason="the warm template needs fork and SCM_RIGHTS (Linux)")
+pytestmark = pytest.mark.skipif(not template_module.supported(), reason="the warm template needs Linux")
 
 #: Prints what a fresh ``python -u prog.py ARGS`` would have, then ends as its argument says.
 PROGRAM = r'''
 import gc, json, os, random, signal, sys
+THREADS = len(os.listdir("/proc/self/task"))  # before the script starts any
+if "SCRIPT_OMP" in os.environ:  # a script that picks its own thread count before importing torch
+    os.environ["OMP_NUM_THREADS"] = os.environ["SCRIPT_OMP"]
 import numpy
+import torch
+import dptrain
+dptrain.init()  # no launcher variables: one process, no process group
 state = {
     "argv": sys.argv, "name": __name__, "file": os.path.basename(__file__), "x": os.environ.get("X"),
     "path0": sys.path[0], "torch": "torch" in sys.modules, "sid": os.getsid(0) == os.getpid(),
     "pgid": os.getpgid(0) == os.getpid(), "sigchld": signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL,
     "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler, "stdin": os.read(0, 10).decode(),
     "numpy": int(numpy.random.randint(1 << 30)), "random": random.getrandbits(30),
-    "threads": len(os.listdir("/proc/self/task")), "frozen": gc.get_freeze_count() > 0,
+    "threads": THREADS, "frozen": gc.get_freeze_count() > 0,
+    "torch_threads": torch.get_num_threads(),
 }
 print(json.dumps(state), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
@@ -86,6 +93,20 @@ def test_a_forked_child_runs_the_program_as_a_fresh_interpreter_would(template):
     assert state["threads"] == 1  # forked from the only thread: no import was half done in another
     assert state["frozen"]  # the template's objects stay out of the collector: no page copied for them
     assert err == "to stderr\n"
+
+
+def test_a_scripts_own_thread_count_holds_as_in_a_fresh_process(template):
+    # The template imported torch with OMP_NUM_THREADS=1; a script that sets 2 before its own
+    # import gets 2 threads in a fresh process, and so in a forked one (dptrain.init sets it).
+    env = dict(os.environ, OMP_NUM_THREADS="1", SCRIPT_OMP="2", X="rank")
+    fresh = subprocess.run([sys.executable, template.program, "0"], env=env, capture_output=True, text=True,
+                           timeout=120, cwd=template.folder)
+    assert fresh.returncode == 0, fresh.stderr
+    assert json.loads(fresh.stdout.splitlines()[0])["torch_threads"] == 2
+    _, state, _ = _run(template, "0", env={"OMP_NUM_THREADS": "1", "SCRIPT_OMP": "2"})
+    assert state["torch_threads"] == 2
+    _, state, _ = _run(template, "0", env={"OMP_NUM_THREADS": "1"})
+    assert state["torch_threads"] == 1
 
 
 def test_each_child_draws_its_own_random_numbers(template):
