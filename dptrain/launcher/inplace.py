@@ -110,11 +110,13 @@ def _make_directory() -> str:
     return tempfile.mkdtemp(prefix="dptrain_recovery_", dir=where)
 
 
-def _how(spare: Any, forked: bool) -> str:
-    """How a replacement started, for the launcher's line: " (a hot spare)", " (forked from the warm template)", ""."""
+def _how(spare: Any, forked: bool) -> tuple[str, str]:
+    """How a replacement started, for the launcher's line: after its pid (a hot spare, as it has
+    always been said) and at the end (forked from the warm template: the line of a replacement
+    without a spare keeps the words it had before the template, up to "keep running")."""
     if spare is None:
-        return ""
-    return " (forked from the warm template)" if forked else " (a hot spare)"
+        return "", ""
+    return ("", " (the replacement is forked from the warm template)") if forked else (" (a hot spare)", "")
 
 
 class InPlaceRecovery:
@@ -301,10 +303,11 @@ class InPlaceRecovery:
         watch.exits.pop(failed.rank, None)  # the rank runs again: its next exit is the replacement's
         self.forget_progress()
         self.ended.pop(failed.proc.pid, None)
+        spare_said, forked_said = _how(spare, forked)
         job.log(f"dptrain run: rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) {why}; "
-                f"in-place recovery: replacement pid {new.proc.pid}{_how(spare, forked)} "
+                f"in-place recovery: replacement pid {new.proc.pid}{spare_said} "
                 f"joins generation {generation} (restart {restart} of {config.max_restarts}); the other ranks keep "
-                f"running")
+                f"running{forked_said}")
         # Its last output is shown now, off the path from the failure to the replacement.
         finish_output([failed], timeout_s=2.0)
         tail = traceback or "\n".join(failed.tail)

@@ -220,8 +220,9 @@ def _alive(pid: int) -> bool:
 
 def _replacement_line(stderr: str) -> re.Match:
     m = re.search(r"dptrain run: rank 1 \(local rank 1, pid (\d+)\) (.*?); in-place recovery: replacement pid (\d+)"
-                  r"( \(a hot spare\)| \(forked from the warm template\))? joins generation (\d+) "
-                  r"\(restart (\d+) of (\d+)\); the other ranks keep running",
+                  r"( \(a hot spare\))? joins generation (\d+) "
+                  r"\(restart (\d+) of (\d+)\); the other ranks keep running"
+                  r"( \(the replacement is forked from the warm template\))?\n",
                   stderr)
     assert m, stderr
     return m
@@ -241,7 +242,7 @@ def test_a_killed_rank_is_replaced_and_the_others_keep_running(fake):
     assert second["local_rank"] == 1 and second["attempt"] == 0  # RANK, LOCAL_RANK, the attempt: unchanged
     line = _replacement_line(out.stderr)
     assert int(line[1]) == first["pid"] and int(line[3]) == second["pid"]
-    assert line[2].startswith("was killed by SIGKILL") and line[4] is None
+    assert line[2].startswith("was killed by SIGKILL") and line[4] is None and line[8] is None
     assert (line[5], line[6], line[7]) == ("1", "1", "3")
     assert "restarting all ranks" not in out.stderr and "stopping" not in out.stderr
     # The generation the survivors read: which rank, why, its old pid, no spare.
@@ -342,7 +343,8 @@ def test_without_a_spare_the_replacement_is_forked_from_the_warm_template(fake):
     assert second["forked"] and second["torch"] and second["own_session"] and second["stdin"] == os.devnull
     assert second["parent"] != start0["parent"] and second["local_rank"] == 1 and second["gen"] == 1
     line = _replacement_line(out.stderr)
-    assert int(line[3]) == second["pid"] and line[4] == " (forked from the warm template)"
+    assert int(line[3]) == second["pid"] and line[4] is None
+    assert line[8] == " (the replacement is forked from the warm template)"
     (end0,) = said(evts, "END", rank=0)
     (entry,) = end0["generations"]
     assert (entry["spare"], entry["forked"]) == (False, True)
@@ -370,7 +372,7 @@ def test_a_dead_template_leaves_replacements_to_new_interpreters(fake):
     assert not second["forked"] and not second["torch"]
     assert re.search(r"dptrain run: the warm template \(pid \d+\) exited with code -9; a failed rank's replacement "
                      r"starts as a new process from now on", out.stderr), out.stderr
-    assert " (forked from the warm template)" not in out.stderr
+    assert "forked from the warm template" not in out.stderr
 
 
 # -- a stalled rank --------------------------------------------------------------------------------
