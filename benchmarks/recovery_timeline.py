@@ -40,7 +40,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kill", default="1:forward:30", help="RANK:PHASE:STEP, as recovery_job.py's --kill")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--no-spare", action="store_true", help="no hot spare: the replacement is a new process")
+    ap.add_argument("--no-spare", action="store_true", help="no hot spare: the replacement is forked from the warm template (a new process with DPTRAIN_WARM_TEMPLATE=0)")
     ap.add_argument("--window", type=float, default=0.8, help="seconds after the kill to show (default 0.8)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="dptrain-timeline-") as work:
