@@ -254,7 +254,10 @@ class ForkedProcess:
             left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
             if left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self.template.pump(left)
+            if self.template.gone:
+                time.sleep(left)  # nobody will say: exit_code looks at the process itself
+            else:
+                self.template.pump(left)
         return self.returncode
 
 
@@ -375,7 +378,10 @@ class Template:
             for fd in ends:
                 os.close(fd)
         self.pending.clear()
-        code = self.proc.poll()
+        try:  # its end of the socket closes as it exits: its code follows at once
+            code = self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
         last = _last_line(self.proc) if code is not None else ""
         self.log(f"dptrain run: the warm template (pid {self.proc.pid}) "
                  f"{'closed its end' if code is None else f'exited with code {code}'}{f': {last}' if last else ''}"

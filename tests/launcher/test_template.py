@@ -183,3 +183,21 @@ def test_the_launcher_and_a_fork_request_wait_for_nothing_but_the_template(tmp_p
     assert tpl.take(wait_s=30) is None
     assert len(lines) == 1 and "exited with code -9" in lines[0], lines
     tpl.close()
+
+
+def test_children_of_a_template_that_died_end_with_it_and_are_seen_to(tmp_path):
+    # A spare forked and waiting when its template is killed: the parent-death signal ends it,
+    # and the launcher, told by nobody, sees it gone (SIGTERM) without spinning.
+    program = tmp_path / "prog.py"
+    program.write_text("")
+    lines = []
+    tpl = Template(str(program), False, dict(os.environ), lines.append)
+    child = tpl.take(wait_s=120)
+    if child is None and any("CUDA driver" in line for line in lines):
+        pytest.skip(f"this torch loads the CUDA driver as it is imported: no forks ({lines})")
+    os.kill(tpl.proc.pid, signal.SIGKILL)
+    assert child.wait(timeout=30) == -signal.SIGTERM
+    assert not tpl.alive and len(lines) == 1 and "exited with code -9" in lines[0], lines
+    for pipe in (child.stdin, child.stdout, child.stderr):
+        pipe.close()
+    tpl.close()
