@@ -250,7 +250,7 @@ def _threads_as_if_fresh() -> None:
     if seen is None or seen[0] == now:
         return
     if now is None:
-        torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        torch.set_num_threads(environments.usable_cores())
         return
     try:
         count = int(now.split(",")[0])  # OpenMP's list form: the outermost level's count

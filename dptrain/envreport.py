@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Any
 
-from dptrain import _settings
+from dptrain import _settings, environments
 
 __all__ = ["collect", "format_report"]
 
@@ -68,7 +68,7 @@ def _hardware() -> dict[str, Any]:
     import torch
 
     cores = os.cpu_count() or 1
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    usable = environments.usable_cores()
     out: dict[str, Any] = {"cpu cores": f"{cores} ({usable} usable by this process)"}
     if torch.cuda.is_available():
         gpus = []

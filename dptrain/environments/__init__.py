@@ -19,7 +19,12 @@ from typing import Any, Mapping
 from dptrain.environments import single, slurm, torchrun
 from dptrain.environments.slurm import expand_nodelist
 
-__all__ = ["detect", "expand_nodelist"]
+__all__ = ["detect", "expand_nodelist", "usable_cores"]
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the platform says it, else all)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def detect(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -47,6 +47,7 @@ An end of input ends the template. This module imports only the standard library
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -146,12 +147,9 @@ def _serve(sock: socket.socket) -> list[int] | None:
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:
-            while True:
-                try:
-                    if not os.read(wake_r, 512):
-                        break
-                except BlockingIOError:
-                    break
+            with contextlib.suppress(BlockingIOError):
+                while os.read(wake_r, 512):  # empty it: one SIGCHLD may stand for several children
+                    pass
         _reap(sock)
         if sock not in ready:
             continue
@@ -290,7 +288,6 @@ class Template:
         self.pending: list[tuple[int, int, int]] = []  # our ends of the pipes of each fork asked, oldest first
         self.ready: list[ForkedProcess] = []
         self._codes: dict[int, int] = {}
-        self._children: set[int] = set()
         self.gone = False
 
     @property
@@ -330,8 +327,6 @@ class Template:
                 return
             try:
                 data = self.sock.recv(4096)
-            except BlockingIOError:
-                continue
             except OSError:
                 data = b""
             if not data:
@@ -346,9 +341,7 @@ class Template:
         if "exit" in msg:
             self._codes[int(msg["exit"])] = int(msg["code"])
         elif "forked" in msg and self.pending:
-            pid = int(msg["forked"])
-            self._children.add(pid)
-            self.ready.append(ForkedProcess(self, pid, self.pending.pop(0)))
+            self.ready.append(ForkedProcess(self, int(msg["forked"]), self.pending.pop(0)))
         elif "error" in msg and self.pending:
             for fd in self.pending.pop(0):
                 os.close(fd)
@@ -363,9 +356,9 @@ class Template:
         return self.ready.pop(0) if self.ready else None
 
     def exit_code(self, pid: int) -> int | None:
-        """The exit code of child ``pid`` once it ended, else None."""
+        """The exit code of child ``pid`` (a ``ForkedProcess`` of this template) once it ended, else None."""
         code = self._codes.get(pid)
-        if code is None and self.gone and pid in self._children and not _running(pid):
+        if code is None and self.gone and not _running(pid):
             # The template died first: the child got its parent-death signal, and nobody is left to say.
             code = -int(signal.SIGTERM)
         return code
@@ -374,10 +367,7 @@ class Template:
         if self.gone:
             return
         self.gone = True
-        for ends in self.pending:
-            for fd in ends:
-                os.close(fd)
-        self.pending.clear()
+        self._drop_pending()
         try:  # its end of the socket closes as it exits: its code follows at once
             code = self.proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
@@ -387,6 +377,13 @@ class Template:
                  f"{'closed its end' if code is None else f'exited with code {code}'}{f': {last}' if last else ''}"
                  f"; a failed rank's replacement starts as a new process from now on")
 
+    def _drop_pending(self) -> None:
+        """Close our ends of the pipes of the forks asked for and not answered: none will come."""
+        for ends in self.pending:
+            for fd in ends:
+                os.close(fd)
+        self.pending.clear()
+
     def close(self) -> None:
         """End the template (its children were stopped by then: they are ranks or spares)."""
         self.gone = True
@@ -394,10 +391,7 @@ class Template:
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 pipe.close()
         self.ready.clear()
-        for ends in self.pending:
-            for fd in ends:
-                os.close(fd)
-        self.pending.clear()
+        self._drop_pending()
         self.sock.close()
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)

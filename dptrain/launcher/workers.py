@@ -20,6 +20,7 @@ from collections import deque
 from typing import Any, Callable, Sequence
 
 from dptrain import _torch_version
+from dptrain.environments import usable_cores
 from dptrain.launcher.janitor import parent_death_signal
 from dptrain.launcher.relay import Console, Relay
 
@@ -73,7 +74,7 @@ def omp_threads(nproc: int) -> tuple[str | None, str | None]:
     """torchrun's default: one OpenMP thread per core and rank, with the notice to print (or None)."""
     if "OMP_NUM_THREADS" in os.environ or nproc <= 1:
         return None, None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     threads = max(1, cores // nproc)
     notice = (
         f"dptrain run: OMP_NUM_THREADS={threads} for each of {nproc} ranks ({cores} cores / {nproc} ranks); "
