@@ -18,11 +18,14 @@ each writes where it landed. Every test asserts:
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -39,13 +42,25 @@ def _run(out, nproc, kills="", ckpt=None, *extra, restarts=6, timeout=200, scrip
                **env_vars)
     cmd = [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", str(nproc), "--recovery", "in-place",
            "--max-restarts", str(restarts), *extra, script]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(out), env=env)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(out), env=env)
-    except subprocess.TimeoutExpired as stuck:
-        said = (stuck.stderr or b"").decode(errors="replace") + (stuck.stdout or b"").decode(errors="replace")
-        pytest.fail(f"the job did not end in {timeout} s; its last output:\n{said[-6000:]}")
-    assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
-    return done.stdout + done.stderr
+        stdout, stderr = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # Where is each rank? The scripts dump every thread's stack on SIGUSR2 (faulthandler), into
+        # their stderr, which the launcher relays; then the launcher stops the job.
+        for start in glob.glob(os.path.join(out, "start-rank*-pid*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(start.rsplit("-pid", 1)[1][:-len(".json")]), signal.SIGUSR2)
+        time.sleep(2)
+        job.send_signal(signal.SIGINT)
+        try:
+            stdout, stderr = job.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            stdout, stderr = job.communicate()
+        pytest.fail(f"the job did not end in {timeout} s; its last output:\n{(stderr + stdout)[-12000:]}")
+    assert job.returncode == 0, stderr[-4000:] + stdout[-2000:]
+    return stdout + stderr
 
 
 def _finals(out):

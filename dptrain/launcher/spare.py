@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if task is None:
         return 0
-    warming.join()  # the job waits now, so the imports have the machine (and finish fast if not done)
+    # The job waits now, so the imports have the machine (and finish fast if not done); the
+    # script may fork (a DataLoader's workers), so the thread must be gone, not only its code.
+    join_to_the_end(warming)
     return run_task(task, path0)
 
 
@@ -143,6 +145,38 @@ def run_task(task: dict, path0: str) -> int:
         sys.excepthook(etype, exc.with_traceback(tb), tb)  # it prints the exception's own traceback
         return 1
     return 0
+
+
+#: Seconds :func:`join_to_the_end` waits for a thread's exit after its Python code ended: the
+#: exit takes microseconds of CPU, but an idle-class thread gets the CPU only when no one else
+#: wants it, and a node training on every core may leave it little.
+THREAD_EXIT_WAIT_S = 30.0
+
+
+def join_to_the_end(thread: Any, wait_s: float = THREAD_EXIT_WAIT_S) -> bool:
+    """Join ``thread``, then wait until its operating-system thread has exited; False if it
+    is still there after ``wait_s`` seconds (on Linux; elsewhere the join is all).
+
+    [Note: a thread is not gone when its join returns]
+    ``Thread.join`` returns as soon as the thread's Python code has finished. The thread then
+    still runs its way out: the interpreter frees its state, and the C++ ``thread_local``
+    destructors of the libraries it used (torch's, OpenMP's) and glibc's clean-up run, some of
+    them under a lock of their library. A fork in that window copies such a lock held by a thread
+    that does not exist in the child, and the child hangs the first time it needs the lock: a
+    replacement forked from the warm template right after its imports stopped before its first
+    step (seen in about one of three forks made in that window under load, never after the
+    thread had gone). A thread that has exited is no longer listed in ``/proc/self/task``.
+    """
+    import time
+
+    thread.join()
+    task = f"/proc/self/task/{thread.native_id}"
+    deadline = time.monotonic() + wait_s
+    while os.path.exists(task):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.0005)
+    return True
 
 
 def _warm_up_idle() -> None:

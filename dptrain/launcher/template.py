@@ -16,8 +16,9 @@ serves any number of replacements, and ``--spares N`` are forked from it too. Tu
 
 What makes a forked child the process a fresh start would have made:
 
-* it is forked from the template's only thread (the warm-up thread has ended), so no lock
-  held by another thread is copied locked;
+* it is forked once the warm-up thread has exited, not only returned (see [Note: a thread
+  is not gone when its join returns] in ``spare``), so no lock held by another thread of ours
+  is copied locked (numpy's OpenBLAS keeps a thread of its own, which it stops before a fork);
 * the objects imported are frozen out of the garbage collector before forking
   (``gc.freeze``): a collection in the child does not write to -- and so copy -- every page
   the template's objects live on (0.25 s of page copies per child without it);
@@ -60,7 +61,8 @@ import threading
 import time
 from typing import Callable
 
-from dptrain.launcher.spare import _last_line, _read_task, _warm_up_idle, run_task, spare_path0
+from dptrain.launcher.spare import (THREAD_EXIT_WAIT_S, _last_line, _read_task, _warm_up_idle, join_to_the_end, run_task,
+                                    spare_path0)
 
 __all__ = ["Template", "ForkedProcess", "supported", "start", "main"]
 
@@ -105,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=fd)
     warming = threading.Thread(target=_warm_up_idle, name="dptrain-template-warm-up", daemon=True)
     warming.start()
-    warming.join()  # a fork copies only the forking thread: none may be left mid-import
+    # A fork copies only the forking thread: the warm-up thread must be gone, not only its
+    # code (see [Note: a thread is not gone when its join returns] in spare).
+    if not join_to_the_end(warming):
+        print(f"the thread that imported ahead had not exited {THREAD_EXIT_WAIT_S:.0f} s after its imports: a "
+              f"process forked now could inherit a lock it holds", file=sys.stderr, flush=True)
+        return UNUSABLE
     driver = cuda_driver_loaded()
     if driver:
         print(f"importing ahead loaded the CUDA driver ({driver}): a process forked after that cannot use CUDA",

@@ -160,6 +160,55 @@ def test_a_template_that_cannot_fork_says_why_and_replacements_start_afresh(tmp_
     tpl.close()
 
 
+def test_a_thread_joined_to_the_end_has_exited():
+    # Thread.join returns once the thread's Python code is done; the OS thread then still runs
+    # its way out (C++ thread_local destructors, pthread key destructors), and a fork in that
+    # window copies what it holds locked: replacements forked right after the template's imports
+    # hung. Here the way out is made long: a pthread key destructor that is libc's usleep.
+    import ctypes
+    import threading
+
+    from dptrain.launcher.spare import join_to_the_end
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = ctypes.c_uint()
+    assert libc.pthread_key_create(ctypes.byref(key), ctypes.cast(libc.usleep, ctypes.c_void_p)) == 0
+
+    def lingering() -> threading.Thread:
+        thread = threading.Thread(target=lambda: libc.pthread_setspecific(key, ctypes.c_void_p(300_000)))
+        thread.start()
+        return thread
+
+    try:
+        thread = lingering()
+        thread.join()
+        assert os.path.exists(f"/proc/self/task/{thread.native_id}")  # joined, and still there
+        thread = lingering()
+        assert join_to_the_end(thread)
+        assert not os.path.exists(f"/proc/self/task/{thread.native_id}")
+        thread = lingering()
+        assert not join_to_the_end(thread, wait_s=0.01)  # not gone in time: said
+        assert join_to_the_end(thread)
+    finally:
+        libc.pthread_key_delete(key)
+
+
+def test_a_template_whose_import_thread_does_not_exit_does_not_fork(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import dptrain.launcher.spare as spare\nspare.join_to_the_end = lambda thread, wait_s=0: False\n")
+    program = tmp_path / "prog.py"
+    program.write_text("")
+    lines = []
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    tpl = Template(str(program), False, dict(os.environ, PYTHONPATH=path), lines.append)
+    assert tpl.take(wait_s=120) is None
+    assert len(lines) == 1 and "exited with code 3: the thread that imported ahead had not exited 30 s after " \
+        "its imports" in lines[0], lines
+    tpl.close()
+
+
 def test_the_cuda_driver_loaded_is_seen_in_the_maps(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f10 r-xp 00000000 08:01 123 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
