@@ -94,6 +94,120 @@ def test_a_restarted_job_resumes_and_moves_nothing_aside(tmp_path, capsys):
     assert sorted(os.listdir(cdir)) == ["ckpt-e0001-s000000016.pt"] and "moved" not in capsys.readouterr().err
 
 
+@pytest.fixture
+def job(monkeypatch):
+    """Set what names the job (see job_identity): job(run_id, slurm_job_id=None)."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+
+    def name(run_id, slurm_job_id=None):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        if slurm_job_id is None:
+            monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+        else:
+            monkeypatch.setenv("SLURM_JOB_ID", slurm_job_id)
+    return name
+
+
+def test_a_restart_resumes_only_its_own_jobs_checkpoints(tmp_path, capsys, job):
+    # The first run keeps checkpoints; a second run's first attempt died before its Trainer was
+    # built (so it moved nothing aside), and the launcher restarted it: that restart must not
+    # continue the first run -- it starts fresh, as its first attempt would have.
+    cdir = tmp_path / "ck"
+    job("aaa")
+    cp, _ = _run(cdir)
+    cp.save(_state(1), epoch=1, step=16)
+    assert checkpoint.load(cdir / "ckpt-e0001-s000000016.pt")["job"] == "run:aaa"
+    capsys.readouterr()
+    job("bbb")
+    cp, path = _run(cdir, resume=None, restart_count=1)
+    assert path is None
+    err = capsys.readouterr().err
+    assert "another job's (run:aaa)" in err and "starts fresh" in err, err
+    (aside,) = [d for d in os.listdir(cdir) if d.startswith("previous-run-")]
+    assert os.listdir(cdir / aside) == ["ckpt-e0001-s000000016.pt"]
+    # Its own checkpoints it resumes when restarted again.
+    cp.save(_state(2), epoch=1, step=4)
+    _, path = _run(cdir, resume=None, restart_count=2)
+    assert path == checkpoint.checkpoint_path(cdir, 1, 4)
+
+
+def test_a_requeued_slurm_job_resumes_its_checkpoints_under_a_new_launcher(tmp_path, job):
+    # sbatch's script runs `dptrain run` again after a requeue (a new run id): Slurm's job id names the job.
+    cdir = tmp_path / "ck"
+    job("first-launch", slurm_job_id="4242")
+    cp, _ = _run(cdir)
+    cp.save(_state(1), epoch=1, step=16)
+    job("second-launch", slurm_job_id="4242")
+    _, path = _run(cdir, resume=None, restart_count=1)
+    assert path == checkpoint.checkpoint_path(cdir, 1, 16)
+
+
+def test_a_restart_resumes_a_checkpoint_that_names_no_job_as_before(tmp_path, job, monkeypatch):
+    # Written before checkpoints named their job, or by a job nothing names (torchrun's run id "none"):
+    # it may be this job's own, so a restart resumes it as it always did.
+    cdir = tmp_path / "ck"
+    cp, _ = _run(cdir)
+    cp.save(_state(1), epoch=1, step=16)
+    older = checkpoint.load(cdir / "ckpt-e0001-s000000016.pt")
+    del older["job"]
+    torch.save(older, cdir / "ckpt-e0001-s000000016.pt")
+    job("bbb")
+    _, path = _run(cdir, resume=None, restart_count=1)
+    assert path == checkpoint.checkpoint_path(cdir, 1, 16)
+    job("none")  # nothing names this job: whatever is there is resumed, as before
+    cp.save(_state(2), epoch=1, step=20)
+    _, path = _run(cdir, resume=None, restart_count=1)
+    assert path == checkpoint.checkpoint_path(cdir, 1, 20)
+
+
+_JOB = """
+import os, sys, torch
+from torch import nn
+import dptrain
+from dptrain import Trainer, TrainerConfig, prepare_dataloader
+
+world = dptrain.init()
+if os.environ.get("DIE_EARLY") and world.restart_count == 0:
+    sys.exit(7)  # before the Trainer is built: this attempt moves nothing aside
+data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+model = nn.Linear(4, 2)
+trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), prepare_dataloader(data, 8),
+                  nn.CrossEntropyLoss(), TrainerConfig(checkpoint_dir=sys.argv[1], verbose=False))
+print(f"resumed from {trainer.resumed_from}", flush=True)
+trainer.fit(int(sys.argv[2]))
+dptrain.shutdown()
+"""
+
+
+def test_a_second_run_restarted_before_its_trainer_was_built_does_not_continue_the_first(tmp_path):
+    # As a user meets it: `dptrain run --max-restarts 1` twice in one folder; the second run's first
+    # attempt dies before its Trainer exists. Its restart trains from scratch, and the first run's
+    # checkpoints are moved aside, not continued.
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_JOB)
+    cdir = tmp_path / "ck"
+
+    def run(epochs, **env):
+        return subprocess.run([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "1", "--max-restarts", "1",
+                               str(script), str(cdir), str(epochs)], capture_output=True, text=True, timeout=240,
+                              cwd=str(tmp_path), env=dict(os.environ, CUDA_VISIBLE_DEVICES="", **env))
+
+    first = run(3)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "resumed from None" in first.stdout
+    second = run(1, DIE_EARLY="1")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "exited with code 7" in second.stderr or "code 7" in second.stderr, second.stderr[-3000:]
+    assert "resumed from None" in second.stdout, second.stdout + second.stderr[-3000:]
+    assert "another job's" in second.stderr and "starts fresh" in second.stderr, second.stderr[-3000:]
+    (aside,) = [d for d in os.listdir(cdir) if d.startswith("previous-run-")]
+    assert _names(cdir / aside)[-1] == "ckpt-e0003-s000000012.pt"  # the first run's newest, moved, not continued
+    assert _names(cdir)[-1] == "ckpt-e0001-s000000004.pt"  # the second run's own
+
+
 def _fresh_start_on_two_ranks(rank, moves, fails):
     import time
 

@@ -23,7 +23,10 @@ none of them decides what it keeps or resumes from:
 * A fresh start (no resume), or a resume from a file outside the directory, moves an
   earlier run's checkpoints, their shard files and ``best.pt`` into a folder of their own,
   ``previous-run-<when>`` (when: the time of its newest file), one folder per earlier run.
-  A job the launcher restarted resumes, so it never moves its own checkpoints.
+  A job the launcher restarted resumes, so it never moves its own checkpoints -- and only its
+  own: a checkpoint names the job that wrote it (``job``, see ``job_identity``). A restart
+  whose first attempt died before its Trainer was built finds another job's checkpoint
+  newest, and starts fresh as that attempt would have, moving the earlier run aside.
 * A resume moves the checkpoints newer than the one it continues from -- files that could not
   be read, or a run that went further from an earlier point -- into ``set-aside/``.
 * Pruning counts only this run's readable checkpoints (those it wrote, and older ones that
@@ -47,7 +50,7 @@ from dptrain import checkpoint as ckpt
 from dptrain import comm, env
 from dptrain.train.report import on_every_rank
 
-__all__ = ["Checkpointer", "CHECKPOINT_FORMAT", "notice"]
+__all__ = ["Checkpointer", "CHECKPOINT_FORMAT", "job_identity", "notice"]
 
 #: ``format`` of a Trainer checkpoint. Version 1 (one dict with the progress at the top
 #: level and every rank's FSDP optimizer shard inside) and version 2 (epochs in the history
@@ -60,6 +63,21 @@ BEST_NAME = "best.pt"
 PREVIOUS_RUN = "previous-run"
 #: Where files under a checkpoint's name that are not this run's go (see [Note: whose files these are]).
 SET_ASIDE = "set-aside"
+
+
+def job_identity() -> str | None:
+    """What names this job across its restarts (written into its checkpoints as ``job``), or None.
+
+    Slurm's job id (a requeue keeps it), else the launcher's run id (``TORCHELASTIC_RUN_ID``:
+    ``dptrain run`` draws one per invocation unless ``--rdzv-id`` names it, and so does
+    ``torchrun --standalone``). torchrun's default ``none`` and ``dptrain.spawn``'s ``spawn``
+    name no job.
+    """
+    slurm = os.environ.get("SLURM_JOB_ID")
+    if slurm:
+        return f"slurm:{slurm}"
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"run:{run}" if run and run not in ("none", "spawn") else None
 
 
 def notice(message: str) -> None:
@@ -113,6 +131,7 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self._ours: set[str] = set()  # names of this run's checkpoints known to be readable
+        self._restarted = False  # resuming only because the launcher restarted the job (resume=None)
 
     # -- layout -----------------------------------------------------------------------
     def path_for(self, epoch: int, step: int) -> str:
@@ -186,7 +205,7 @@ class Checkpointer:
                 message; the files already there are kept). CheckpointSpaceError for a full disk.
         """
         path = os.fspath(path) if path is not None else self.path_for(epoch, step)
-        main: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "world_size": self.world_size}
+        main: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "world_size": self.world_size, "job": job_identity()}
         shards: dict[str, Any] = {}
         for name, obj in states.items():
             value = obj.state_dict() if hasattr(obj, "state_dict") else obj
@@ -313,6 +332,7 @@ class Checkpointer:
         if resume is None:
             # A job the launcher restarted continues where it stopped -- if it keeps checkpoints.
             resume = "auto" if restart_count > 0 and self.directory else False
+            self._restarted = resume == "auto"
         if resume is True or resume == "auto":
             if not self.directory:
                 raise ValueError("resume='auto' needs TrainerConfig(checkpoint_dir=...) to look for checkpoints")
@@ -428,6 +448,16 @@ class Checkpointer:
             state.update(ckpt.load(ckpt.shard_path(path, self.rank, saved_world), map_location=map_location))
         return _from_format_v2(state) if fmt == _FORMAT_V2 else state
 
+    @staticmethod
+    def _another_jobs(state: Mapping) -> bool:
+        """Whether checkpoint ``state`` was written by another job than this one. A job's name is
+        the same in all its attempts, so a checkpoint that names another one (or says that no name
+        was known) is another job's. Where nothing names this job, or the checkpoint was written
+        before checkpoints named their job, it may be this job's and counts as such: a restart
+        resumes it, as it always did."""
+        me = job_identity()
+        return me is not None and "job" in state and state["job"] != me
+
     def read_first_readable(self, candidates: list[str], map_location: Any) -> tuple[str | None, dict | None]:
         """Read the first candidate every rank can read; name each one skipped and why.
 
@@ -447,6 +477,12 @@ class Checkpointer:
                 error = _describe(exc)
             error = _agree(error) if self.world_size > 1 else error
             if error is None:
+                if self._restarted and self._another_jobs(state):
+                    notice(f"this job ({job_identity()}) was restarted before its first attempt wrote a checkpoint: "
+                           f"the newest one in {self.directory!r} is another job's ({state['job']}), so it starts "
+                           f"fresh, as that attempt did, instead of continuing that run")
+                    self._move_aside_earlier_run("starting fresh")
+                    return None, None
                 if skipped:
                     notice(f"resuming from {path!r} instead")
                 self._continue_from(path)

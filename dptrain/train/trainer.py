@@ -111,7 +111,10 @@ class Trainer:
             whole dev (or test) set in dataset order, identically on every rank.
         resume: None (default): resume from the newest checkpoint in
             ``config.checkpoint_dir`` when the launcher restarted the job
-            (``TORCHELASTIC_RESTART_COUNT > 0``), else start fresh. ``"auto"``/True: resume
+            (``TORCHELASTIC_RESTART_COUNT > 0``, or a Slurm requeue), else start fresh -- and
+            fresh also when that newest checkpoint names another job (a restart whose first
+            attempt died before its Trainer was built; see
+            :func:`dptrain.train.checkpointer.job_identity`). ``"auto"``/True: resume
             from the newest checkpoint that can be read (an unreadable one is skipped with a
             notice and left in place; none at all: a notice, and training starts fresh).
             False: never. A path: that file.
@@ -219,8 +222,9 @@ class Trainer:
         candidates = self.checkpointer.resume_candidates(resume, self.world.restart_count)
         if candidates:
             path, content = self.checkpointer.read_first_readable(candidates, map_location=self.device)
-            self.best_state = self._parts.restore(path, content)
-            self.resumed_from = path
+            if path is not None:  # None: the restart found another job's checkpoints, and starts fresh
+                self.best_state = self._parts.restore(path, content)
+                self.resumed_from = path
 
     # -- progress, read from self.state (where the loop changes it) ----------------------
     epoch = reads_state("epoch")
