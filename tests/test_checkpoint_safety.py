@@ -190,10 +190,13 @@ def test_a_second_run_restarted_before_its_trainer_was_built_does_not_continue_t
     script.write_text(_JOB)
     cdir = tmp_path / "ck"
 
+    # Each `dptrain run` draws its own run id (unless one is inherited, or Slurm's job id names both).
+    base = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
+
     def run(epochs, **env):
         return subprocess.run([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "1", "--max-restarts", "1",
                                str(script), str(cdir), str(epochs)], capture_output=True, text=True, timeout=240,
-                              cwd=str(tmp_path), env=dict(os.environ, CUDA_VISIBLE_DEVICES="", **env))
+                              cwd=str(tmp_path), env=dict(base, CUDA_VISIBLE_DEVICES="", **env))
 
     first = run(3)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -50,7 +50,11 @@ def _run(out, nproc, kills="", ckpt=None, *extra, restarts=6, timeout=200, scrip
         # their stderr, which the launcher relays; then the launcher stops the job.
         for start in glob.glob(os.path.join(out, "start-rank*-pid*.json")):
             with contextlib.suppress(OSError, ValueError):
-                os.kill(int(start.rsplit("-pid", 1)[1][:-len(".json")]), signal.SIGUSR2)
+                pid = int(start.rsplit("-pid", 1)[1][:-len(".json")])
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:  # still a rank of this job (a dead one's pid is reused)
+                    cmdline = fh.read()
+                if os.path.basename(script).encode() in cmdline or b"dptrain.launcher.template" in cmdline:
+                    os.kill(pid, signal.SIGUSR2)
         time.sleep(2)
         job.send_signal(signal.SIGINT)
         try:

@@ -159,9 +159,9 @@ def join_to_the_end(thread: Any, wait_s: float = THREAD_EXIT_WAIT_S) -> bool:
 
     [Note: a thread is not gone when its join returns]
     ``Thread.join`` returns as soon as the thread's Python code has finished. The thread then
-    still runs its way out: the interpreter frees its state, and the C++ ``thread_local``
-    destructors of the libraries it used (torch's, OpenMP's) and glibc's clean-up run, some of
-    them under a lock of their library. A fork in that window copies such a lock held by a thread
+    still runs its way out: the interpreter frees its state, then the C++ ``thread_local`` and
+    pthread-key destructors of the libraries it used and glibc's clean-up run, and any of them
+    may take a lock of its library. A fork in that window copies such a lock held by a thread
     that does not exist in the child, and the child hangs the first time it needs the lock: a
     replacement forked from the warm template right after its imports stopped before its first
     step (seen in about one of three forks made in that window under load, never after the

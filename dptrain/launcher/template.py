@@ -66,7 +66,8 @@ from dptrain.launcher.spare import (THREAD_EXIT_WAIT_S, _last_line, _read_task, 
 
 __all__ = ["Template", "ForkedProcess", "supported", "start", "main"]
 
-#: The template's exit code when it must not fork (see ``cuda_driver_loaded``); it says why on stderr.
+#: The template's exit code when it must not fork (the CUDA driver is loaded, see
+#: ``cuda_driver_loaded``, or its import thread did not exit); it says why on stderr.
 UNUSABLE = 3
 
 #: Seconds a replacement waits for the template to fork it: it may still be importing (at the
