@@ -463,7 +463,9 @@ class Checkpointer:
 
         Collective. A candidate that some rank cannot read (truncated, corrupt, a shard
         file missing) is skipped -- never deleted -- with a notice naming it. Returns
-        ``(None, None)`` for no candidates.
+        ``(None, None)`` for no candidates, and where a restart (``resume=None``) finds that
+        the first readable one is another job's: that run is moved aside, and this one starts
+        fresh (see [Note: whose files these are]).
 
         Raises:
             CheckpointError: none of the candidates could be read (each one is listed).
