@@ -495,6 +495,17 @@ def main() -> int:
 
     print(f"\nratios of medians: time lost per failure {ratios(med_lost)}; kill -> killed step done {ratios(med_k2s)}"
           + (f" (goal: c, d <= 0.1 x b; d <= 2 steps = {2 * step_u * 1e3:.0f} ms + state transfer)" if step_u else ""))
+    # The failure's own cost where the uninterrupted run of the same configuration differs from u
+    # (the in-place variants fork their ranks from one import per node; a spare is one more process).
+    for v, v0 in (("c", "c0"), ("d", "d0")):
+        own = [r["lost"] - r0["lost"] for r, r0 in zip(results.get(v, []), results.get(v0, []))
+               if not r.get("error") and not r0.get("error") and r.get("lost") is not None
+               and r0.get("lost") is not None]
+        if own:
+            b = med_lost.get("b")
+            print(f"{v} - {v0} (the failure's cost against the same configuration's uninterrupted run, same round): "
+                  + ", ".join(f"{x:+.2f}" for x in own) + f" s; median {statistics.median(own):+.2f} s"
+                  + (f" = {statistics.median(own) / b:.3f} x b" if b else ""))
     if why_no_torchft:
         print(TORCHFT_NOTE.format(why=why_no_torchft))
     return 0 if all(not r.get("error") for rows in results.values() for r in rows) else 1

@@ -166,9 +166,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "arrives while the job runs is let in at a step boundary (the ranks check for it after each optimizer "
             "step); set by dptrain run"),
     _switch("DPTRAIN_WARM_TEMPLATE", True, "with dptrain run --recovery in-place: keep one process per node that "
-            "has imported torch and dptrain (no rank, no device memory) and fork a failed rank's replacement and the "
-            "hot spares from it, in milliseconds instead of an interpreter start and seconds of imports; 0: a "
-            "replacement without a hot spare starts a new interpreter"),
+            "has imported torch and dptrain (no rank, no device memory) and fork the node's ranks, a failed rank's "
+            "replacement and the hot spares from it, in milliseconds instead of an interpreter start and seconds of "
+            "imports; 0: ranks and a replacement without a hot spare start as new interpreters"),
     Setting("DPTRAIN_GENERATION", "count", 0, "with in-place recovery: 0 for a rank started with the job, g for a "
             "replacement started for generation g of the process group; set by dptrain run", "1", high=1e9),
 )}

@@ -63,7 +63,7 @@ import shutil
 import signal
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 from dptrain import _settings
 from dptrain._heartbeat import describe_exit, keys_prefix, recovery_key, where
@@ -150,10 +150,12 @@ class InPlaceRecovery:
         self.nodes: Nodes | None = None  # the job's nodes, while an attempt of several is watched
         self.joined_at = 0  # the generation this node's ranks started in (> 0: let into a running job)
         self._refill: tuple[int, int, float] | None = None  # a spare to start: (attempt, generation, since)
+        self._forks_late = False  # the template forked no rank of this attempt in time: the others start afresh
 
     # -- set-up ------------------------------------------------------------------------------
-    def started(self, base_env: dict[str, str]) -> None:
-        """The ranks of an attempt are started: start the warm template, start (or top up) the hot spares."""
+    def prepare(self, base_env: dict[str, str], ranks: int) -> None:
+        """Before the ranks of an attempt start: start the warm template (once) and ask it for a
+        process for each of this node's ``ranks`` (see ``rank_process``)."""
         job, config = self.job, self.job.config
         warm = _settings.get("DPTRAIN_WARM_TEMPLATE")  # see [Note: the warm template] in launcher.template
         if (config.spares or warm) and self.spares is None:
@@ -161,6 +163,36 @@ class InPlaceRecovery:
             self.spares = Spares(config.spares, config.program, config.module, base_env,
                                  started=lambda pid: job.janitor.tell("group", pid),
                                  ended=lambda pid: job.janitor.tell("forget", pid), log=job.log, template=forker)
+        self._forks_late = False
+        forker = self.spares.template if self.spares is not None else None
+        if forker is not None and forker.alive:
+            forker.pump()
+            for _ in range(ranks - len(self.spares.waiting) - len(forker.ready) - len(forker.pending)):
+                forker.request()  # one import for the node's ranks: see [Note: the warm template]
+
+    def rank_process(self, environ: dict[str, str], stop: Callable[[], bool]) -> Any:
+        """A process that has imported torch and dptrain, made the rank ``environ`` describes: a
+        waiting hot spare, else one forked from the warm template (waited for until ``stop()``);
+        None when there is none (the rank then starts as a new interpreter)."""
+        if self.spares is None or self._forks_late:
+            return None
+        asked = time.monotonic()
+        proc = self.spares.take(stop=stop)
+        if proc is None:
+            # The template is gone (it said why), a fork failed (said), or it is too slow: the
+            # other ranks of this attempt do not wait for it again.
+            self._forks_late = True
+            if time.monotonic() - asked >= template.FORK_WAIT_S and not stop():
+                self.job.log(f"dptrain run: the warm template forked no rank in {template.FORK_WAIT_S:.0f} s; this "
+                             f"node's ranks start as new processes")
+            return None
+        config = self.job.config
+        return proc if self.spares.assign(proc, environ, [config.program] + list(config.args)) else None
+
+    def started(self, base_env: dict[str, str]) -> None:
+        """The ranks of an attempt are started: start (or top up) the hot spares."""
+        if self.spares is None:
+            self.prepare(base_env, 0)
         if self.spares is not None:
             self._refill = None
             self.spares.fill()

@@ -139,7 +139,23 @@ def _load_prctl():
 
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _prctl = None
+
+
+def adopt_orphans() -> bool:
+    """Make this process the child subreaper of its descendants (Linux): a process whose parent
+    dies is re-parented to this one, not to init, so that this one can still wait for it and
+    read its exit code. Whether that holds.
+
+    The launcher does this before it starts the warm template (see [Note: the warm template] in
+    ``template``): the ranks forked from the template then outlive it, and their exit codes
+    still reach the launcher.
+    """
+    global _prctl
+    if _prctl is None:
+        _prctl = _load_prctl() or False
+    return bool(_prctl) and _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def parent_death_signal(launcher_pid: int):

@@ -311,6 +311,9 @@ class _Job:
                 self.forwarder = Forwarder(self.host, config.master_port, secret, self.log)
                 self.ranks_at = ("127.0.0.1", self.forwarder.port)
 
+    def _interrupted(self) -> bool:
+        return bool(self.signals.received)
+
     def _check_signals(self) -> None:
         if self.signals.received:
             raise _Interrupted()
@@ -356,6 +359,10 @@ class _Job:
         that generation of in-place recovery (see ``resize``)."""
         config = self.config
         self.ranks = []
+        if self.recovery is not None:  # the warm template forks the ranks: one import for the node
+            self.recovery.prepare(self.base_env, config.nproc_per_node)
+            if self.server is not None and not self.server.ours:
+                self.server.serve()  # torch's store imports torch: while the template imports, not after it
         for local in range(config.nproc_per_node):
             if self.signals.received:
                 return
@@ -371,7 +378,10 @@ class _Job:
             if joining:
                 environ["DPTRAIN_GENERATION"] = str(joining)
             logs = rank_log_files(self.log_dir, self.run_id, attempt, local, config.redirects, config.tee)
-            proc = RankProcess(rank, local, self.cmd, environ, show, self.console, logs)
+            ready = self.recovery.rank_process(environ, self._interrupted) if self.recovery is not None else None
+            if ready is None and self.signals.received:  # came while waiting for the template: none starts now
+                return
+            proc = RankProcess(rank, local, self.cmd, environ, show, self.console, logs, proc=ready)
             self.ranks.append(proc)
             self.janitor.tell("group", proc.proc.pid)
         self._open_store()

@@ -34,9 +34,10 @@ script that sets ``OMP_NUM_THREADS`` itself before its ``import torch`` is the e
 The imports are best effort: one that fails is left for the script to meet, under its rank's
 name.
 
-The spare is started as ``python -u -m dptrain.launcher.spare PATH``, where PATH is what
-``sys.path[0]`` is for the program run the usual way (its folder, or the working directory with
-``-m``), so that the imports ahead resolve as the rank's own would. This module imports only
+The spare runs this module as ``__main__`` with the argument PATH (see ``command``), where PATH
+is what ``sys.path[0]`` is for the program run the usual way (its folder, or the working
+directory with ``-m``) and is ``sys.path[0]`` from the spare's first import on, so that the
+imports ahead resolve as the rank's own would. This module imports only
 the standard library at its top (the launcher imports it too, and never imports torch).
 """
 
@@ -135,7 +136,8 @@ def run_task(task: dict, path0: str) -> int:
         if task.get("module"):
             runpy.run_module(task["program"], run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(task["program"], run_name="__main__")
+            # Absolute, as the interpreter makes a script's __file__ (Python >= 3.9).
+            runpy.run_path(os.path.abspath(task["program"]), run_name="__main__")
     except Exception:  # noqa: BLE001 - shown as the interpreter shows a script's, without our frames
         etype, exc, tb = sys.exc_info()
         ours = (os.path.abspath(__file__), runpy.__file__)
@@ -203,6 +205,19 @@ def spare_path0(program: str, module: bool) -> str:
     return os.getcwd() if module else os.path.dirname(os.path.realpath(program))
 
 
+def command(module: str, path0: str) -> list[str]:
+    """The command line that runs dptrain's ``module`` (the spare's, the template's) as ``__main__``
+    with ``path0`` as ``sys.path[0]`` from its first import, as the rank's own (``spare_path0``).
+
+    Not ``python -m module``: that puts the working directory first while ``module`` and what it
+    imports are found, so a ``dptrain`` folder (or a ``json.py``) there would be imported in
+    place of the one the rank would import.
+    """
+    code = ("import sys; sys.path[0] = sys.argv[1]; import runpy; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-u", "-c", code, path0]
+
+
 class Spares:
     """The hot spares of one launcher: ``count`` processes started ahead, each handed to the
     next rank of this node that needs a replacement.
@@ -246,7 +261,7 @@ class Spares:
         while len(self.waiting) < self.count:
             try:
                 proc = subprocess.Popen(
-                    [sys.executable, "-u", "-m", "dptrain.launcher.spare", spare_path0(self.program, self.module)],
+                    command("dptrain.launcher.spare", spare_path0(self.program, self.module)),
                     env=self.environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     start_new_session=True,  # its own process group, as a rank's (see workers.RankProcess)
                     preexec_fn=self._preexec(os.getpid()),
@@ -267,9 +282,10 @@ class Spares:
             self.waiting.append(proc)
         self.template.ready.clear()
 
-    def take(self):
+    def take(self, stop: Callable[[], bool] = lambda: False):
         """A waiting spare, no longer in ``waiting``; else one forked now from the warm template
-        (its ``on_demand`` is True); None when neither is left."""
+        (its ``on_demand`` is True; waited for until ``stop()``, see ``Template.take``); None
+        when neither is left."""
         self._collect()
         while self.waiting:
             proc = self.waiting.pop(0)
@@ -278,7 +294,7 @@ class Spares:
             self._discard(proc, gone=True)
         if self.template is not None:
             asked_ahead = bool(self.template.pending)  # a spare asked for by fill, not forked yet
-            proc = self.template.take()
+            proc = self.template.take(stop=stop)
             if proc is not None:
                 proc.on_demand = not asked_ahead  # forked for this replacement: no spare was there
                 self._started(proc.pid)

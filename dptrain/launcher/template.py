@@ -1,34 +1,46 @@
 """The warm template: one process per node that imports torch and dptrain once, from which
-in-place recovery forks a failed rank's replacement, and the hot spares, in milliseconds.
+the node's ranks, a failed rank's replacement and the hot spares are forked in milliseconds.
 
 [Note: the warm template]
-Without it a replacement is a new interpreter: starting Python and importing torch, dptrain
-and ``torch._dynamo`` take seconds of CPU (3-4 s on a 2-core machine), while every survivor
-waits -- the whole of what in-place recovery without a spare lost, about as much as
-restarting the whole job. ``dptrain run --recovery in-place`` therefore starts this process
-beside its ranks on each node (``python -u -m dptrain.launcher.template PATH FD``). It imports
-what a hot spare imports (see [Note: what a spare imports ahead] in ``spare``), on a thread of
-the idle scheduling class, and then only forks: each child is a hot spare that reads its task
-from its stdin and runs the program as ``__main__`` (``spare.run_task``). A fork takes a few
-milliseconds where an interpreter takes seconds, and costs no second import: one template
-serves any number of replacements, and ``--spares N`` are forked from it too. Turn it off with
-``DPTRAIN_WARM_TEMPLATE=0`` (a replacement without a spare then starts a new interpreter).
+Without it every rank is a new interpreter: starting Python and importing torch, dptrain and
+``torch._dynamo`` take seconds of CPU (3-4 s on a 2-core machine) per process. For a
+replacement every survivor waits that long -- the whole of what in-place recovery without a
+spare lost, about as much as restarting the whole job -- and a node of N ranks pays N imports
+at the start. ``dptrain run --recovery in-place`` therefore starts this process on each node
+before its ranks (``spare.command``, with the arguments ``PATH FD [outlive]``). It imports
+what a hot spare imports (see [Note: what a spare imports ahead] in ``spare``) on its main
+thread, at the normal scheduling class since the job's first ranks wait for it, and then only
+forks: each child is a hot spare that reads its task from its stdin and runs the program as
+``__main__`` (``spare.run_task``). The job's ranks are its first children (one import for the
+node, and no second import competing with the training for the CPU later); a fork takes a few
+milliseconds where an interpreter takes seconds, so one template serves any number of
+replacements, and ``--spares N`` are forked from it too. Turn it off with
+``DPTRAIN_WARM_TEMPLATE=0`` (ranks, and a replacement without a spare, then start new
+interpreters).
 
 What makes a forked child the process a fresh start would have made:
 
-* it is forked once the warm-up thread has exited, not only returned (see [Note: a thread
-  is not gone when its join returns] in ``spare``), so no lock held by another thread of ours
-  is copied locked (numpy's OpenBLAS keeps a thread of its own, which it stops before a fork);
+* it is forked by the thread that imported, with no other thread of ours alive, so no lock
+  held by another thread is copied locked (numpy's OpenBLAS keeps a thread of its own, which
+  it stops before a fork; see also [Note: a thread is not gone when its join returns] in
+  ``spare``);
 * the objects imported are frozen out of the garbage collector before forking
   (``gc.freeze``): a collection in the child does not write to -- and so copy -- every page
   the template's objects live on (0.25 s of page copies per child without it);
 * it gets a session and process group of its own (as a rank started by the launcher, whose
   ``killpg`` stops it and its DataLoader workers), its stdin, stdout and stderr from the
-  launcher (three pipes passed over the socket with ``SCM_RIGHTS``), the parent-death signal
-  (SIGTERM when the template is gone), and the default SIGCHLD handling;
+  launcher (three pipes passed over the socket with ``SCM_RIGHTS``) and the default SIGCHLD
+  handling;
+* it outlives the template: the launcher makes itself the children's subreaper
+  (``janitor.adopt_orphans``, the ``outlive`` argument), so a template that dies costs the
+  forks it would have made, not the ranks forked from it, and their exit codes still reach
+  the launcher (``os.waitpid``; see ``ForkedProcess.poll``). Where the launcher cannot adopt
+  them, a child gets the parent-death signal (SIGTERM) when the template is gone. Either way
+  the janitor stops the children if the launcher dies (see [Note: how ranks die with the
+  launcher] in ``janitor``);
 * it is not forked at all where the imports ahead loaded the CUDA driver (``cuda_driver_loaded``):
   CUDA does not survive a fork. The template then ends with ``UNUSABLE`` and says why, the
-  launcher shows that, and replacements start as new interpreters;
+  launcher shows that, and ranks and replacements start as new interpreters;
 * ``random`` reseeds itself at a fork; numpy's global generator does not, so it is reseeded
   from the OS as at a fresh import. torch's default generator has the same fixed seed as
   in a fresh process. No CUDA context, store connection or process group exists yet.
@@ -57,17 +69,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from typing import Callable
 
-from dptrain.launcher.spare import (THREAD_EXIT_WAIT_S, _last_line, _read_task, _warm_up_idle, join_to_the_end, run_task,
-                                    spare_path0)
+from dptrain.launcher.spare import _last_line, _read_task, _warm_up, command, run_task, spare_path0
 
 __all__ = ["Template", "ForkedProcess", "supported", "start", "main"]
 
 #: The template's exit code when it must not fork (the CUDA driver is loaded, see
-#: ``cuda_driver_loaded``, or its import thread did not exit); it says why on stderr.
+#: ``cuda_driver_loaded``); it says why on stderr.
 UNUSABLE = 3
 
 #: Seconds a replacement waits for the template to fork it: it may still be importing (at the
@@ -84,15 +94,16 @@ def supported() -> bool:
 
 
 def start(program: str, module: bool, environ: dict[str, str], log: Callable[[str], None]) -> "Template | None":
-    """A warm template for ``program`` (see ``Template``); None where this platform cannot run
-    one or it could not start (said through ``log``): replacements then start afresh."""
+    """The launcher's warm template for ``program`` (see ``Template``; its children outlive it);
+    None where this platform cannot run one or it could not start (said through ``log``): ranks
+    and replacements then start as new interpreters."""
     if not supported():
         return None
     try:
-        return Template(program, module, environ, log)
+        return Template(program, module, environ, log, adopt=True)
     except OSError as exc:
-        log(f"dptrain run: could not start the warm template ({exc}); a failed rank's replacement starts as a new "
-            f"process")
+        log(f"dptrain run: could not start the warm template ({exc}); ranks and replacements start as new "
+            f"processes")
         return None
 
 
@@ -100,20 +111,16 @@ def start(program: str, module: bool, environ: dict[str, str], log: Callable[[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run as the template: import ahead, then fork a hot spare per request (see the Note)."""
+    """Run as the template: import ahead, then fork a process per request (see the Note)."""
     args = sys.argv[1:] if argv is None else argv
     path0, fd = args[0], int(args[1])
+    outlive = args[2:3] == ["outlive"]  # the launcher adopts our orphans: children need not die with us
     if sys.path:
         sys.path[0] = path0  # as a spare's: the rank's own sys.path[0]
     sock = socket.socket(fileno=fd)
-    warming = threading.Thread(target=_warm_up_idle, name="dptrain-template-warm-up", daemon=True)
-    warming.start()
-    # A fork copies only the forking thread: the warm-up thread must be gone, not only its
-    # code (see [Note: a thread is not gone when its join returns] in spare).
-    if not join_to_the_end(warming):
-        print(f"the thread that imported ahead had not exited {THREAD_EXIT_WAIT_S:.0f} s after its imports: a "
-              f"process forked now could inherit a lock it holds", file=sys.stderr, flush=True)
-        return UNUSABLE
+    # On this thread, at the normal class: the job's first ranks wait for these imports (and a
+    # fork copies only the forking thread, so no other thread of ours may be on its way out).
+    _warm_up()
     driver = cuda_driver_loaded()
     if driver:
         print(f"importing ahead loaded the CUDA driver ({driver}): a process forked after that cannot use CUDA",
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     fds = _serve(sock)
     if fds is None:
         return 0
-    return _child(fds, path0)
+    return _child(fds, path0, outlive)
 
 
 def cuda_driver_loaded(maps: str = "/proc/self/maps") -> str:
@@ -205,12 +212,13 @@ def _send(sock: socket.socket, msg: dict) -> None:
         pass
 
 
-def _child(fds: list[int], path0: str) -> int:
-    """In a forked child: become a process of its own, then a hot spare (see the Note)."""
+def _child(fds: list[int], path0: str, outlive: bool) -> int:
+    """In a forked child: become a process of its own, then a rank or a hot spare (see the Note).
+    ``outlive``: the launcher adopts it if the template dies, so it does not die with the template."""
     from dptrain.launcher.janitor import parent_death_signal
 
     os.setsid()
-    stop_with_parent = parent_death_signal(os.getppid())
+    stop_with_parent = None if outlive else parent_death_signal(os.getppid())
     if stop_with_parent is not None:
         stop_with_parent()
     for target, fd in zip((0, 1, 2), fds):
@@ -252,6 +260,14 @@ class ForkedProcess:
         if self.returncode is None:
             self.template.pump()
             self.returncode = self.template.exit_code(self.pid)
+        if self.returncode is None and self.template.gone and self.template.adopts:
+            # The template died and we adopted its children (see Template): this one is ours now.
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # not re-parented yet, or reaped already: asked again later
+                pid = 0
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -273,17 +289,24 @@ class Template:
     ``request()`` asks for a fork and returns at once; ``pump()`` reads the template's
     answers: forked children wait in ``ready`` (oldest first), exit codes in ``exit_code``.
     ``environ`` is the base environment of the ranks; ``log`` prints a launcher line.
+
+    ``adopt``: make this process the children's subreaper (``janitor.adopt_orphans``), so that
+    they outlive the template: a template that dies then costs only the forks it would have
+    made, not the ranks forked from it, and their exit codes come from ``os.waitpid`` here.
+    Without it (or where Linux refuses), a child gets SIGTERM when the template dies.
     """
 
-    def __init__(self, program: str, module: bool, environ: dict[str, str], log: Callable[[str], None]) -> None:
-        from dptrain.launcher.janitor import parent_death_signal
+    def __init__(self, program: str, module: bool, environ: dict[str, str], log: Callable[[str], None],
+                 adopt: bool = False) -> None:
+        from dptrain.launcher.janitor import adopt_orphans, parent_death_signal
 
         self.log = log
+        self.adopts = adopt and adopt_orphans()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "dptrain.launcher.template", spare_path0(program, module),
-                 str(theirs.fileno())],
+                command("dptrain.launcher.template", spare_path0(program, module))
+                + [str(theirs.fileno())] + (["outlive"] if self.adopts else []),
                 env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=parent_death_signal(os.getpid()),
             )
@@ -355,18 +378,24 @@ class Template:
                 os.close(fd)
             self.log(f"dptrain run: the warm template could not fork a spare ({msg['error']})")
 
-    def take(self, wait_s: float = FORK_WAIT_S) -> ForkedProcess | None:
-        """A forked spare: one ready, else one asked for now, waited for up to ``wait_s``."""
+    def take(self, wait_s: float = FORK_WAIT_S, stop: Callable[[], bool] = lambda: False) -> ForkedProcess | None:
+        """A forked process: one ready, else one asked for now, waited for up to ``wait_s`` (or
+        until ``stop()``, asked every 0.1 s); None when none came."""
         self.pump()
         if not self.ready and not self.pending and not self.request():
             return None
-        self.pump(wait_s, until=lambda: bool(self.ready))
+        deadline = time.monotonic() + wait_s
+        while not self.ready and self.pending and not stop():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.pump(min(0.1, left), until=lambda: bool(self.ready))
         return self.ready.pop(0) if self.ready else None
 
     def exit_code(self, pid: int) -> int | None:
         """The exit code of child ``pid`` (a ``ForkedProcess`` of this template) once it ended, else None."""
         code = self._codes.get(pid)
-        if code is None and self.gone and not _running(pid):
+        if code is None and self.gone and not self.adopts and not _running(pid):
             # The template died first: the child got its parent-death signal, and nobody is left to say.
             code = -int(signal.SIGTERM)
         return code
@@ -383,7 +412,7 @@ class Template:
         last = _last_line(self.proc) if code is not None else ""
         self.log(f"dptrain run: the warm template (pid {self.proc.pid}) "
                  f"{'closed its end' if code is None else f'exited with code {code}'}{f': {last}' if last else ''}"
-                 f"; a failed rank's replacement starts as a new process from now on")
+                 f"; ranks and replacements start as new processes from now on")
 
     def _drop_pending(self) -> None:
         """Close our ends of the pipes of the forks asked for and not answered: none will come."""

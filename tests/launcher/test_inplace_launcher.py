@@ -93,12 +93,14 @@ def templates():
 
 
 def spares():
-    """The launcher's hot spares, started by it or forked by its template: [(pid, imported torch)]."""
+    """The launcher's hot spares, started by it or forked by its template (whose other children
+    are ranks, which say so in the store): [(pid, imported torch)]."""
     found = []
     procs = _processes()
     forkers = set(templates())
     for pid, (ppid, cmd) in procs.items():
-        if (ppid == LAUNCHER and b"dptrain.launcher.spare" in cmd) or ppid in forkers:
+        if ((ppid == LAUNCHER and b"dptrain.launcher.spare" in cmd) or ppid in forkers) \
+                and not store.check([keys + f"test/rank_pid/{pid}"]):
             try:
                 with open(f"/proc/{pid}/maps") as fh:
                     found.append((pid, "libtorch" in fh.read()))
@@ -108,6 +110,7 @@ def spares():
 
 
 folder = os.environ.get("DPTRAIN_RECOVERY_DIR")
+store.set(keys + f"test/rank_pid/{os.getpid()}", "1")  # a rank, not a spare (see spares)
 say("START", t=STARTED, age=AGE, torch=HAD_TORCH, local_rank=int(os.environ["LOCAL_RANK"]), forked=FORKED,
     parent=PARENT, own_session=os.getsid(0) == os.getpid(), stdin=os.path.realpath("/proc/self/fd/0"),
     recovery=os.environ.get("DPTRAIN_RECOVERY"), folder=folder,
@@ -320,12 +323,12 @@ def test_a_hot_spare_becomes_the_replacement(fake, template):
     assert replacement["age"] > gap  # it existed before the rank died; how fast it took over is the benchmark's
     (end0,) = said(evts, "END", rank=0)
     assert end0["generations"][0]["spare"] is True
-    # A new spare was started in its place (the replacement still runs as one), and is gone with the job;
-    # not before the recovery was over: while the replacement joined, it was the only one.
+    # A new spare was started in its place, and is gone with the job; not before the recovery was
+    # over: while the replacement joined, there was none.
     (joined,) = said(evts, "JOINED", rank=1)
-    assert joined["spares"] == [replacement["pid"]], joined
-    fresh = [pid for pid in end0["spares"] if pid != replacement["pid"]]
-    assert len(fresh) == 1, end0
+    assert joined["spares"] == [], joined
+    fresh = end0["spares"]
+    assert len(fresh) == 1 and replacement["pid"] not in fresh, end0
     assert not _alive(fresh[0]) and not _alive(replacement["pid"])
 
 
@@ -337,11 +340,13 @@ def test_without_a_spare_the_replacement_is_forked_from_the_warm_template(fake):
     evts = events(out.stdout)
     first, second = said(evts, "START", rank=1)
     (start0,) = said(evts, "START", rank=0)
-    assert not first["forked"] and not start0["forked"]  # the job's own ranks are interpreters of their own
-    # The replacement is a child of the template: torch imported before its script ran, a session
-    # of its own (the launcher stops it and its workers with killpg), stdin /dev/null, its own output.
-    assert second["forked"] and second["torch"] and second["own_session"] and second["stdin"] == os.devnull
-    assert second["parent"] != start0["parent"] and second["local_rank"] == 1 and second["gen"] == 1
+    # The job's own ranks and the replacement are children of the template (one import of torch
+    # for the node): torch imported before the script ran, a session of their own (the launcher
+    # stops a rank and its workers with killpg), stdin /dev/null, their own output.
+    for started in (start0, first, second):
+        assert started["forked"] and started["torch"] and started["own_session"], started
+        assert started["stdin"] == os.devnull and started["parent"] == start0["parent"], started
+    assert second["local_rank"] == 1 and second["gen"] == 1 and second["pid"] != first["pid"]
     line = _replacement_line(out.stderr)
     assert int(line[3]) == second["pid"] and line[4] is None
     assert line[8] == " (the replacement is forked from the warm template)"
@@ -370,9 +375,31 @@ def test_a_dead_template_leaves_replacements_to_new_interpreters(fake):
     evts = events(out.stdout)
     second = said(evts, "START", rank=1, gen=1)[0]
     assert not second["forked"] and not second["torch"]
-    assert re.search(r"dptrain run: the warm template \(pid \d+\) exited with code -9; a failed rank's replacement "
-                     r"starts as a new process from now on", out.stderr), out.stderr
+    assert re.search(r"dptrain run: the warm template \(pid \d+\) exited with code -9; ranks and replacements "
+                     r"start as new processes from now on", out.stderr), out.stderr
+    # Rank 0, forked from the template, outlived it (the launcher adopted it) and its exit code 0 came back.
+    (start0,), (end0,) = said(evts, "START", rank=0), said(evts, "END", rank=0)
+    assert start0["forked"] and start0["pid"] == end0["pid"]
     assert "forked from the warm template" not in out.stderr
+
+
+def test_a_template_that_cannot_fork_leaves_the_ranks_to_new_interpreters(fake, tmp_path):
+    # As where importing torch loads the CUDA driver: the template ends before forking anything.
+    # The job's ranks, waiting for it, start as new interpreters, and the launcher says why once.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nif b'dptrain.launcher.template' in open('/proc/self/cmdline', 'rb').read():\n"
+        "    os.write(2, b'cannot fork here\\n')\n    os._exit(3)\n")
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "3", fake, "{}",
+                      env={"DPTRAIN_WARM_TEMPLATE": "1", "PYTHONPATH": path})
+    assert out.returncode == 0, out.stderr
+    evts = events(out.stdout)
+    assert [e["forked"] for e in said(evts, "START")] == [False, False, False], evts  # ranks 0, 1, the replacement
+    assert out.stderr.count("dptrain run: the warm template") == 1, out.stderr
+    assert re.search(r"dptrain run: the warm template \(pid \d+\) exited with code 3: cannot fork here; ranks and "
+                     r"replacements start as new processes from now on", out.stderr), out.stderr
 
 
 # -- a stalled rank --------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ def test_a_template_that_cannot_fork_says_why_and_replacements_start_afresh(tmp_
     tpl.proc.wait(timeout=60)
     assert tpl.take(wait_s=30) is None
     assert lines == [f"dptrain run: the warm template (pid {tpl.proc.pid}) exited with code 3: cannot fork here; "
-                     f"a failed rank's replacement starts as a new process from now on"], lines
+                     f"ranks and replacements start as new processes from now on"], lines
     tpl.close()
 
 
@@ -191,22 +191,6 @@ def test_a_thread_joined_to_the_end_has_exited():
         assert join_to_the_end(thread)
     finally:
         libc.pthread_key_delete(key)
-
-
-def test_a_template_whose_import_thread_does_not_exit_does_not_fork(tmp_path):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        "import dptrain.launcher.spare as spare\nspare.join_to_the_end = lambda thread, wait_s=0: False\n")
-    program = tmp_path / "prog.py"
-    program.write_text("")
-    lines = []
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    tpl = Template(str(program), False, dict(os.environ, PYTHONPATH=path), lines.append)
-    assert tpl.take(wait_s=120) is None
-    assert len(lines) == 1 and "exited with code 3: the thread that imported ahead had not exited 30 s after " \
-        "its imports" in lines[0], lines
-    tpl.close()
 
 
 def test_the_cuda_driver_loaded_is_seen_in_the_maps(tmp_path):
@@ -250,3 +234,42 @@ def test_children_of_a_template_that_died_end_with_it_and_are_seen_to(tmp_path):
     for pipe in (child.stdin, child.stdout, child.stderr):
         pipe.close()
     tpl.close()
+
+
+def test_children_of_an_adopting_launcher_outlive_the_template_and_report_their_code(tmp_path):
+    # The launcher adopts the template's orphans (a child subreaper): a rank forked from it keeps
+    # running when the template dies, and its own exit code still reaches the launcher. Run in
+    # a process of its own, which becomes the subreaper (pytest's process stays as it is).
+    program = tmp_path / "prog.py"
+    program.write_text("import sys, time\nsys.stdin.read()\nprint('still here', flush=True)\nsys.exit(7)\n")
+    launcher = f"""
+import json, os, signal, sys, time
+from dptrain.launcher.spare import Spares
+from dptrain.launcher.template import Template
+lines = []
+tpl = Template({str(program)!r}, False, dict(os.environ), lines.append, adopt=True)
+child = tpl.take(wait_s=120)
+if child is None:
+    print(json.dumps({{"skip": lines}}))
+    sys.exit(0)
+spares = Spares(0, {str(program)!r}, False, dict(os.environ), lambda pid: None, lambda pid: None, lines.append)
+os.kill(tpl.proc.pid, signal.SIGKILL)
+tpl.proc.wait()
+while tpl.alive:
+    time.sleep(0.05)
+time.sleep(0.3)
+running = child.poll() is None
+ppid = int(open(f"/proc/{{child.pid}}/stat").read().rsplit(")", 1)[1].split()[1])
+spares.assign(child, dict(os.environ), [{str(program)!r}])
+code = child.wait(timeout=60)
+print(json.dumps({{"adopts": tpl.adopts, "running": running, "ppid": ppid, "me": os.getpid(), "code": code,
+                  "out": child.stdout.read().decode(), "lines": lines}}))
+"""
+    done = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    state = json.loads(done.stdout.splitlines()[-1])
+    if "skip" in state:
+        pytest.skip(f"no fork here: {state['skip']}")
+    assert state["adopts"] and state["running"] and state["ppid"] == state["me"], state
+    assert state["code"] == 7 and state["out"] == "still here\n", state
+    assert len(state["lines"]) == 1 and "exited with code -9" in state["lines"][0], state
