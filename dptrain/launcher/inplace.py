@@ -69,7 +69,7 @@ from dptrain import _settings
 from dptrain._heartbeat import describe_exit, keys_prefix, recovery_key, where
 from dptrain._join import ranks_text
 from dptrain.launcher import store_values, template
-from dptrain.launcher.resize import ENTRY_WAIT_S, Nodes
+from dptrain.launcher.resize import ENTRY_WAIT_S, Nodes, start_beat
 from dptrain.launcher.spare import Spares
 from dptrain.launcher.watch import Watch, heartbeat
 from dptrain.launcher.workers import RankProcess, error_file, finish_output, read_error_file
@@ -151,6 +151,7 @@ class InPlaceRecovery:
         self.joined_at = 0  # the generation this node's ranks started in (> 0: let into a running job)
         self._refill: tuple[int, int, float] | None = None  # a spare to start: (attempt, generation, since)
         self._forks_late = False  # the template forked no rank of this attempt in time: the others start afresh
+        self._beat: tuple[int, Any] | None = None  # (attempt, this node's beat), started before its ranks
 
     # -- set-up ------------------------------------------------------------------------------
     def prepare(self, base_env: dict[str, str], ranks: int) -> None:
@@ -161,7 +162,7 @@ class InPlaceRecovery:
         if (config.spares or warm) and self.spares is None:
             forker = template.start(config.program, config.module, base_env, job.log) if warm else None
             self.spares = Spares(config.spares, config.program, config.module, base_env,
-                                 started=lambda pid: job.janitor.tell("group", pid),
+                                 started=lambda pid: job.janitor.tell("helper", pid),
                                  ended=lambda pid: job.janitor.tell("forget", pid), log=job.log, template=forker)
         self._forks_late = False
         forker = self.spares.template if self.spares is not None else None
@@ -169,6 +170,13 @@ class InPlaceRecovery:
             forker.pump()
             for _ in range(ranks - len(self.spares.waiting) - len(forker.ready) - len(forker.pending)):
                 forker.request()  # one import for the node's ranks: see [Note: the warm template]
+
+    def beat(self, attempt: int) -> None:
+        """Across nodes: this launcher beats for ``attempt`` from now on (its store served), not
+        only from its watch: its ranks may wait seconds for the template's imports, and node 0
+        would take a silent node for lost."""
+        if self.job.config.nnodes > 1 and self._beat is None:
+            self._beat = (attempt, start_beat(self.job, attempt))
 
     def rank_process(self, environ: dict[str, str], stop: Callable[[], bool]) -> Any:
         """A process that has imported torch and dptrain, made the rank ``environ`` describes: a
@@ -197,7 +205,16 @@ class InPlaceRecovery:
             self._refill = None
             self.spares.fill()
 
+    def _beat_for(self, attempt: int) -> Any:
+        """The beat ``prepare`` started for ``attempt`` (now the watch's to close), or None."""
+        beat, self._beat = self._beat, None
+        if beat is not None and beat[0] != attempt:
+            beat[1].close()
+            return None
+        return beat[1] if beat is not None else None
+
     def close(self) -> None:
+        self._beat_for(-1)  # one started for an attempt that was never watched
         if self.spares is not None:
             self.spares.close()
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -234,7 +251,7 @@ class InPlaceRecovery:
         and across nodes going on without a node lost for good (see ``resize``)."""
         self.why_not = None
         self.forget_progress()
-        self.nodes = Nodes(self, attempt) if self.job.config.nnodes > 1 else None
+        self.nodes = Nodes(self, attempt, beat=self._beat_for(attempt)) if self.job.config.nnodes > 1 else None
         try:
             while True:
                 failed, peer = watch.run(lambda running: self._tick(running, attempt))

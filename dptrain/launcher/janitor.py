@@ -13,7 +13,8 @@ of the interpreter -- two things hold:
   its DataLoader workers), SIGKILL after ``GRACE_S`` to what is left, and removes the
   launcher's temporary directories. It also covers platforms without ``prctl``.
 
-Protocol, one command a line: ``group PGID`` (a rank's process group), ``forget PGID``
+Protocol, one command a line: ``group PGID`` (a rank's process group), ``helper PGID`` (the
+warm template's or a hot spare's: stopped as well, not counted as a rank), ``forget PGID``
 (stopped and reaped by the launcher), ``dir PATH`` (remove when the launcher ends), ``done``.
 
 This file imports only the standard library: it runs as ``python -I -S janitor.py``,
@@ -67,17 +68,23 @@ def main() -> int:
         signal.signal(sig, signal.SIG_IGN)
     launcher = os.getppid()
     groups: set[int] = set()
+    helpers: set[int] = set()  # the warm template and hot spares: stopped too, not counted as ranks
     dirs: list[str] = []
     for line in sys.stdin:
         command, _, arg = line.strip().partition(" ")
         if command == "group":
             groups.add(int(arg))
+            helpers.discard(int(arg))  # a spare that became a rank
+        elif command == "helper":
+            helpers.add(int(arg))
         elif command == "forget":
             groups.discard(int(arg))
+            helpers.discard(int(arg))
         elif command == "dir":
             dirs.append(arg)
         elif command == "done":
             groups.clear()
+            helpers.clear()
             break
     if groups:
         try:
@@ -86,7 +93,8 @@ def main() -> int:
             sys.stderr.flush()
         except (OSError, ValueError):
             pass
-        stop_groups(groups)
+    if groups or helpers:
+        stop_groups(groups | helpers)
     for path in dirs:
         shutil.rmtree(path, ignore_errors=True)
     return 0

@@ -361,8 +361,8 @@ class _Job:
         self.ranks = []
         if self.recovery is not None:  # the warm template forks the ranks: one import for the node
             self.recovery.prepare(self.base_env, config.nproc_per_node)
-            if self.server is not None and not self.server.ours:
-                self.server.serve()  # torch's store imports torch: while the template imports, not after it
+            self._open_store()  # (torch's store imports torch: while the template imports, not after it)
+            self.recovery.beat(attempt)  # in the store, while the ranks wait for the template
         for local in range(config.nproc_per_node):
             if self.signals.received:
                 return

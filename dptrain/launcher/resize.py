@@ -107,11 +107,18 @@ class _Beat:
         self._client.close()
 
 
+def start_beat(job: Any, attempt: int) -> _Beat:
+    """This node's launcher beats for ``attempt`` from now on (node 0 counts the beats, see
+    ``Nodes._look_for_lost``); ``job``: the launcher's ``_Job``, its store served already."""
+    return _Beat(job.store_at, job.config.wait_s, recovery_key(attempt, f"node-beat/{job.config.node_rank}"))
+
+
 class Nodes:
     """One launcher's side of [Note: a node lost for good] for one attempt (``recovery``: its
-    ``InPlaceRecovery``). ``tick`` runs once a second in the watch loop; ``close`` at its end."""
+    ``InPlaceRecovery``). ``tick`` runs once a second in the watch loop; ``close`` at its end.
+    ``beat``: this node's beat for ``attempt``, started already (see ``start_beat``)."""
 
-    def __init__(self, recovery: Any, attempt: int) -> None:
+    def __init__(self, recovery: Any, attempt: int, beat: _Beat | None = None) -> None:
         job = recovery.job
         config = job.config
         self.recovery, self.job, self.attempt = recovery, job, attempt
@@ -127,7 +134,9 @@ class Nodes:
         self.lost_s = recovery.fresh_s  # the survivors wait longer than this for a new generation
         self.dropped: str | None = None  # why this node was left out of the job (it then ends)
         self._seen: dict[int, tuple[int, float]] = {}  # node id -> (its beat, since when it has not moved)
-        self._beat = _Beat(job.store_at, config.wait_s, self._beat_key(self.node_id)) if config.nnodes > 1 else None
+        if beat is None and config.nnodes > 1:
+            beat = start_beat(job, attempt)
+        self._beat = beat
 
     def _beat_key(self, node: int) -> str:
         return recovery_key(self.attempt, f"node-beat/{node}")

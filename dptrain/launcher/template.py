@@ -80,6 +80,10 @@ __all__ = ["Template", "ForkedProcess", "supported", "start", "main"]
 #: ``cuda_driver_loaded``); it says why on stderr.
 UNUSABLE = 3
 
+#: Seconds the template, its socket closed, waits to see whether the launcher died (see
+#: ``_stop_if_orphaned``).
+ORPHAN_WAIT_S = 2.0
+
 #: Seconds a replacement waits for the template to fork it: it may still be importing (at the
 #: idle class, so slowly while the ranks train; fast once they wait). After that the
 #: replacement starts afresh.
@@ -113,6 +117,7 @@ def start(program: str, module: bool, environ: dict[str, str], log: Callable[[st
 def main(argv: list[str] | None = None) -> int:
     """Run as the template: import ahead, then fork a process per request (see the Note)."""
     args = sys.argv[1:] if argv is None else argv
+    launcher = os.getppid()
     path0, fd = args[0], int(args[1])
     outlive = args[2:3] == ["outlive"]  # the launcher adopts our orphans: children need not die with us
     if sys.path:
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return UNUSABLE
     gc.freeze()
-    fds = _serve(sock)
+    fds = _serve(sock, launcher)
     if fds is None:
         return 0
     return _child(fds, path0, outlive)
@@ -151,13 +156,21 @@ def cuda_driver_loaded(maps: str = "/proc/self/maps") -> str:
     return ""
 
 
-def _serve(sock: socket.socket) -> list[int] | None:
+def _serve(sock: socket.socket, launcher: int) -> list[int] | None:
     """Fork on request and report children's exits until the launcher's end closes (None);
     in a child, return the three descriptors it was given."""
+    children: set[int] = set()
+
+    def on_term(signum: int, _frame) -> None:  # the launcher's death sends it (see janitor.parent_death_signal)
+        _stop_if_orphaned(launcher, children, wait_s=ORPHAN_WAIT_S)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wake-up descriptor is written
+    signal.signal(signal.SIGTERM, on_term)
     signal.set_wakeup_fd(wake_w)
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
@@ -165,15 +178,16 @@ def _serve(sock: socket.socket) -> list[int] | None:
             with contextlib.suppress(BlockingIOError):
                 while os.read(wake_r, 512):  # empty it: one SIGCHLD may stand for several children
                     pass
-        _reap(sock)
+        _reap(sock, children)
         if sock not in ready:
             continue
         try:
             msg, fds, _, _ = socket.recv_fds(sock, 4096, 3)
         except OSError:
+            msg = b""
+        if not msg:  # the launcher closed its end, or is gone
+            _stop_if_orphaned(launcher, children, wait_s=ORPHAN_WAIT_S)
             return None
-        if not msg:
-            return None  # the launcher closed its end (or is gone)
         try:
             pid = os.fork()
         except OSError as exc:
@@ -184,16 +198,40 @@ def _serve(sock: socket.socket) -> list[int] | None:
         if pid == 0:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.close(wake_r)
             os.close(wake_w)
             sock.close()
             return fds
+        children.add(pid)
         for fd in fds:
             os.close(fd)
         _send(sock, {"forked": pid})
 
 
-def _reap(sock: socket.socket) -> None:
+def _stop_if_orphaned(launcher: int, children: set[int], wait_s: float = 0.0) -> None:
+    """If the launcher is gone (seen within ``wait_s``), stop the processes forked for it
+    (SIGTERM to each one's group).
+
+    They outlive the template when the launcher adopts them (``outlive``), so they would not
+    get a parent-death signal of their own when the launcher dies: the janitor stops them
+    then, and this does too, for a launcher whose janitor is gone as well (as a rank started
+    by the launcher has its parent-death signal besides the janitor). A dying launcher closes
+    its descriptors, and sends the parent-death signal, a moment before its children are
+    re-parented (``getppid`` changes): hence the wait. A launcher that ends in order kills the
+    template right after closing its end, within that wait.
+    """
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == launcher:
+        if time.monotonic() >= deadline:
+            return  # the launcher ends in order: its ranks were stopped by then, its spares by it
+        time.sleep(0.005)
+    for pid in children:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGTERM)
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
     """Report every child that ended (its code as ``Popen.returncode`` gives it)."""
     while True:
         try:
@@ -202,6 +240,7 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
+        children.discard(pid)
         _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 

@@ -37,10 +37,15 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def start_job(tmp_path):
+#: How the job's ranks start: as new interpreters (restart mode), or forked from the warm template
+#: of in-place recovery, where the launcher adopts them and they do not die with the template.
+MODES = {"restart": [], "in-place": ["--recovery", "in-place", "--max-restarts", "1"]}
+
+
+def start_job(tmp_path, mode="restart"):
     """A 2-rank job whose ranks each run a DataLoader worker; returns (launcher, pids)."""
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", SLEEPY],
+    proc = subprocess.Popen([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", *MODES[mode], SLEEPY],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     pids = []
     deadline = time.monotonic() + 120
@@ -71,9 +76,11 @@ def _cleanup(pids):
             os.kill(p, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM], ids=lambda s: s.name)
-def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig):
-    proc, pids = start_job(tmp_path)
+@pytest.mark.parametrize("sig,mode", [(signal.SIGHUP, "restart"), (signal.SIGQUIT, "restart"),
+                                      (signal.SIGTERM, "restart"), (signal.SIGTERM, "in-place")],
+                         ids=["SIGHUP", "SIGQUIT", "SIGTERM", "SIGTERM-in-place"])
+def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig, mode):
+    proc, pids = start_job(tmp_path, mode)
     try:
         proc.send_signal(sig)
         left = wait_gone(pids, tmp_path)
@@ -85,8 +92,9 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig):
     assert f"dptrain run: {sig.name} received; stopping all ranks" in err
 
 
-def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
-    proc, pids = start_job(tmp_path)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path, mode):
+    proc, pids = start_job(tmp_path, mode)
     try:
         proc.kill()
         left = wait_gone(pids, tmp_path)
@@ -97,11 +105,20 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
     assert f"dptrain run: the launcher (pid {proc.pid}) died; stopping its 2 rank(s)" in err
 
 
-def test_ranks_die_with_the_launcher_even_without_the_janitor(tmp_path):
-    proc, pids = start_job(tmp_path)
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_ranks_die_with_the_launcher_even_without_the_janitor(tmp_path, mode):
+    proc, pids = start_job(tmp_path, mode)
     ranks = pids[0::2]  # a rank's DataLoader worker stops by itself once its rank is gone
     try:
-        janitor = [p for p in children(proc.pid) if p not in ranks]
+        janitor = [p for p in children(proc.pid) if b"janitor.py" in _cmdline(p)]
         assert len(janitor) == 1, janitor
         os.kill(janitor[0], signal.SIGKILL)
         proc.kill()
