@@ -133,6 +133,18 @@ def test_a_rank_killed_at_each_moment_recovers_in_place_bitwise_on_two_ranks(tmp
     assert not [n for n in os.listdir(tmp_path / "ckpt") if ".tmp" in n and "ckpt-e0000-s000000010" not in n]
 
 
+def test_a_rank_that_dies_after_fit_returned_restarts_the_job_instead_of_waiting_for_it(tmp_path, uninterrupted):
+    # Rank 0 may have finished and exited: a replacement in place would wait for ranks that are gone
+    # (until the collective timeout). The launcher restarts the job instead, which resumes from its
+    # last checkpoint and ends with the same weights.
+    log = _run(tmp_path / "out", 2, "1:0:after:0", tmp_path / "ckpt", timeout=150)
+    assert "dptrain run: a rank failed after rank 0's Trainer.fit had returned" in log, log
+    assert "restarting all ranks (restart 1 of 6)" in log and "in-place recovery: replacement" not in log, log
+    finals = _finals(tmp_path / "out")
+    for rank, ref in uninterrupted[2].items():
+        assert _same(finals[rank]["state"], ref["state"]), f"rank {rank}'s weights differ from the uninterrupted run's"
+
+
 def test_three_ranks_without_checkpoints_recover_in_place_bitwise_also_when_a_replacement_dies_joining(
         tmp_path, uninterrupted):
     # Rank 2's first replacement dies while it joins (generation 1), its second one (2) dies in an evaluation.

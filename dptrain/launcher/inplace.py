@@ -160,10 +160,11 @@ class InPlaceRecovery:
         job, config = self.job, self.job.config
         warm = _settings.get("DPTRAIN_WARM_TEMPLATE")  # see [Note: the warm template] in launcher.template
         if (config.spares or warm) and self.spares is None:
-            forker = template.start(config.program, config.module, base_env, job.log) if warm else None
+            forker = template.start(config.program, config.module, base_env, job.log, job.cmd) if warm else None
             self.spares = Spares(config.spares, config.program, config.module, base_env,
                                  started=lambda pid: job.janitor.tell("helper", pid),
-                                 ended=lambda pid: job.janitor.tell("forget", pid), log=job.log, template=forker)
+                                 ended=lambda pid: job.janitor.tell("forget", pid), log=job.log, template=forker,
+                                 rank_command=job.cmd)
         self._forks_late = False
         forker = self.spares.template if self.spares is not None else None
         if forker is not None and forker.alive:
@@ -304,6 +305,12 @@ class InPlaceRecovery:
         note = store_values.read(store, recovery_key(attempt, "fallback"), store_values.fallback_note, warn)
         if note is not None:
             return "fallback", f"a rank cannot recover in place ({note}); restarting all ranks instead"
+        if not resizing and store.check([recovery_key(attempt, "finished")]):
+            # Rank 0's Trainer.fit had returned: no rank trains any more for a replacement to join,
+            # and the others may be gone already (a replacement would wait for them until its timeout).
+            return "finished", ("a rank failed after rank 0's Trainer.fit had returned, where no rank can hand its "
+                                "state over in place; restarting all ranks instead (they resume from the newest "
+                                "checkpoint)")
         world = self.job.layout.world_size
         if store.check([recovery_key(attempt, f"capable/{r}") for r in range(world)]):
             if not resizing:

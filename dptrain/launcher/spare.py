@@ -90,7 +90,7 @@ def _read_task(fd: int = 0) -> dict | None:
 
 
 def _become(task: dict, path0: str) -> None:
-    """Take on the rank's environment, arguments and stdin (see the module's docstring)."""
+    """Take on the rank's environment, arguments, command line and stdin (see the module's docstring)."""
     os.environ.clear()
     os.environ.update(task["env"])
     null = os.open(os.devnull, os.O_RDONLY)
@@ -99,6 +99,39 @@ def _become(task: dict, path0: str) -> None:
     sys.argv = list(task["argv"])
     if sys.path and sys.path[0] != path0:
         sys.path[0] = path0
+    set_command_line([sys.executable, "-u"] + (["-m"] if task.get("module") else []) + sys.argv)
+
+
+def set_command_line(args: list[str], stat: str = "/proc/self/stat") -> bool:
+    """Show ``args`` as this process's command line (``/proc/self/cmdline``: ``ps``, ``pgrep -f``,
+    psutil), as a rank started as ``python -u train.py ...`` shows it; whether it could (Linux).
+
+    [Note: a spare's command line]
+    A hot spare or a process forked from the warm template was started with the command line
+    of ``spare``/``template``, not the rank's; tools that find a job's ranks by their script
+    (``pgrep -f train.py``) would miss it. The kernel reads a process's command line from the
+    memory its arguments were given in (``arg_start``-``arg_end`` in ``/proc/self/stat``),
+    which the process may overwrite (the interpreter keeps its own copies): the new line is
+    written there, ending in NULs. It fits because the launcher started the spare or template
+    with arguments at least as long as the rank's (``command``'s ``room_for``); a longer one
+    is cut. Where the kernel lets this process move ``arg_end`` (``CAP_SYS_RESOURCE``), the
+    line ends exactly; otherwise the NULs after it show as trailing empty arguments.
+    """
+    try:
+        import ctypes
+
+        with open(stat) as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49)
+        if not 0 < start < end:
+            return False
+        data = b"\0".join(os.fsencode(a) for a in args)[:end - start - 1] + b"\0"
+        ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(35, 9, ctypes.c_ulong(start + len(data)), 0, 0)  # PR_SET_MM, PR_SET_MM_ARG_END: if allowed
+        return True
+    except (OSError, ValueError, IndexError, AttributeError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,9 +238,11 @@ def spare_path0(program: str, module: bool) -> str:
     return os.getcwd() if module else os.path.dirname(os.path.realpath(program))
 
 
-def command(module: str, path0: str) -> list[str]:
+def command(module: str, path0: str, extra: list[str] = (), room_for: list[str] = ()) -> list[str]:
     """The command line that runs dptrain's ``module`` (the spare's, the template's) as ``__main__``
-    with ``path0`` as ``sys.path[0]`` from its first import, as the rank's own (``spare_path0``).
+    with ``path0`` as ``sys.path[0]`` from its first import, as the rank's own (``spare_path0``),
+    and arguments ``extra``; padded with spaces to take at least as many bytes as the rank's
+    command line ``room_for`` (see [Note: a spare's command line]).
 
     Not ``python -m module``: that puts the working directory first while ``module`` and what it
     imports are found, so a ``dptrain`` folder (or a ``json.py``) there would be imported in
@@ -215,7 +250,15 @@ def command(module: str, path0: str) -> list[str]:
     """
     code = ("import sys; sys.path[0] = sys.argv[1]; import runpy; "
             f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
-    return [sys.executable, "-u", "-c", code, path0]
+    cmd = [sys.executable, "-u", "-c", code, path0, *extra]
+    missing = _argv_bytes(room_for) - _argv_bytes(cmd)
+    if missing > 0:
+        cmd.append(" " * (missing - 1))  # an argument of n bytes takes n + 1 (its NUL)
+    return cmd
+
+
+def _argv_bytes(args: list[str]) -> int:
+    return sum(len(os.fsencode(a)) + 1 for a in args)
 
 
 class Spares:
@@ -233,12 +276,13 @@ class Spares:
 
     def __init__(self, count: int, program: str, module: bool, environ: dict[str, str],
                  started: Callable[[int], None], ended: Callable[[int], None], log: Callable[[str], None],
-                 template: Any = None) -> None:
+                 template: Any = None, rank_command: list[str] = ()) -> None:
         from dptrain.launcher.janitor import parent_death_signal
 
         self.count = count
         self.program = program
         self.module = module
+        self.rank_command = list(rank_command)  # a spare's command line makes room for it (see set_command_line)
         self.environ = environ
         self._started, self._ended, self.log = started, ended, log
         self._preexec = parent_death_signal
@@ -261,7 +305,8 @@ class Spares:
         while len(self.waiting) < self.count:
             try:
                 proc = subprocess.Popen(
-                    command("dptrain.launcher.spare", spare_path0(self.program, self.module)),
+                    command("dptrain.launcher.spare", spare_path0(self.program, self.module),
+                            room_for=self.rank_command),
                     env=self.environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     start_new_session=True,  # its own process group, as a rank's (see workers.RankProcess)
                     preexec_fn=self._preexec(os.getpid()),

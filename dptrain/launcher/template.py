@@ -97,14 +97,15 @@ def supported() -> bool:
             and hasattr(socket, "SOCK_SEQPACKET"))
 
 
-def start(program: str, module: bool, environ: dict[str, str], log: Callable[[str], None]) -> "Template | None":
+def start(program: str, module: bool, environ: dict[str, str], log: Callable[[str], None],
+          rank_command: list[str] = ()) -> "Template | None":
     """The launcher's warm template for ``program`` (see ``Template``; its children outlive it);
     None where this platform cannot run one or it could not start (said through ``log``): ranks
     and replacements then start as new interpreters."""
     if not supported():
         return None
     try:
-        return Template(program, module, environ, log, adopt=True)
+        return Template(program, module, environ, log, adopt=True, rank_command=rank_command)
     except OSError as exc:
         log(f"dptrain run: could not start the warm template ({exc}); ranks and replacements start as new "
             f"processes")
@@ -329,6 +330,9 @@ class Template:
     answers: forked children wait in ``ready`` (oldest first), exit codes in ``exit_code``.
     ``environ`` is the base environment of the ranks; ``log`` prints a launcher line.
 
+    ``rank_command``: the command line a rank started afresh would have, which a child shows
+    (see [Note: a spare's command line] in ``spare``).
+
     ``adopt``: make this process the children's subreaper (``janitor.adopt_orphans``), so that
     they outlive the template: a template that dies then costs only the forks it would have
     made, not the ranks forked from it, and their exit codes come from ``os.waitpid`` here.
@@ -336,7 +340,7 @@ class Template:
     """
 
     def __init__(self, program: str, module: bool, environ: dict[str, str], log: Callable[[str], None],
-                 adopt: bool = False) -> None:
+                 adopt: bool = False, rank_command: list[str] = ()) -> None:
         from dptrain.launcher.janitor import adopt_orphans, parent_death_signal
 
         self.log = log
@@ -344,8 +348,8 @@ class Template:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
-                command("dptrain.launcher.template", spare_path0(program, module))
-                + [str(theirs.fileno())] + (["outlive"] if self.adopts else []),
+                command("dptrain.launcher.template", spare_path0(program, module),
+                        [str(theirs.fileno())] + (["outlive"] if self.adopts else []), room_for=rank_command),
                 env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=parent_death_signal(os.getpid()),
             )

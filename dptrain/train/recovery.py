@@ -292,10 +292,12 @@ class InPlaceRecovery:
 
     def finish(self) -> None:
         """At the end of ``fit``: take a node that became ready at the last step boundary (it then
-        joins the final evaluation), and tell one that is still starting that the job is over."""
-        if not self.admitting:
+        joins the final evaluation), and tell one that is still starting, and the launchers, that
+        the training is over (a rank that fails from now on is not replaced in place: the ranks it
+        would join may have exited already)."""
+        if not self.active:
             return
-        if self.arrived:
+        if self.admitting and self.arrived:
             self.recover(_NodeArrived("a node let into the job is ready to join"))
         if self.trainer.rank == 0:
             from dptrain import env

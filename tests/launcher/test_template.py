@@ -38,6 +38,8 @@ state = {
     "numpy": int(numpy.random.randint(1 << 30)), "random": random.getrandbits(30),
     "threads": THREADS, "frozen": gc.get_freeze_count() > 0,
     "torch_threads": torch.get_num_threads(),
+    "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\0"),
+    "__file__": __file__,
 }
 print(json.dumps(state), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
@@ -56,7 +58,9 @@ def template(tmp_path_factory):
     program = folder / "prog.py"
     program.write_text(PROGRAM)
     lines = []
-    tpl = Template(str(program), False, dict(os.environ, OMP_NUM_THREADS="1"), lines.append)
+    # Room for the longest command line a child shows here (see spare.set_command_line).
+    tpl = Template(str(program), False, dict(os.environ, OMP_NUM_THREADS="1"), lines.append,
+                   rank_command=[sys.executable, "-u", str(program), "x" * 40])
     tpl.program, tpl.folder, tpl.lines = str(program), str(folder), lines
     yield tpl
     tpl.close()
@@ -85,6 +89,12 @@ def test_a_forked_child_runs_the_program_as_a_fresh_interpreter_would(template):
     code, state, err = _run(template, "3")
     assert code == 3  # the exit code comes back through the template
     assert state["argv"] == [template.program, "3"] and state["name"] == "__main__" and state["file"] == "prog.py"
+    assert state["__file__"] == os.path.abspath(template.program)  # as the interpreter makes a script's
+    # Its command line is the rank's, as `ps` and `pgrep -f prog.py` show it (NULs may pad its end).
+    cmdline = state["cmdline"]
+    while cmdline and cmdline[-1] == "":
+        cmdline.pop()
+    assert cmdline == [sys.executable, "-u", template.program, "3"], state["cmdline"]
     assert state["x"] == "rank" and state["path0"] == template.folder
     assert state["torch"]  # imported ahead: what the fork saves
     assert state["sid"] and state["pgid"]  # a session and process group of its own, as a rank's

@@ -8,7 +8,8 @@ Environment:
           where = forward | all_reduce | optimizer | checkpoint | eval | stall | forget  at optimizer step
           ``at`` (for eval: the epoch, counted from 1; stall: stops itself with SIGSTOP instead of dying;
           forget: dies in the forward after deleting its rank's step snapshots, so its replacement has none),
-          or init: right after dptrain.init() (a replacement that dies while it joins)
+          or init: right after dptrain.init() (a replacement that dies while it joins), or after: once
+          Trainer.fit has returned
   EPOCHS  epochs (default 2)
   STRATEGY the Trainer's strategy (default: its own choice, "ddp")
   ACCUM, AMP, CLIP  gradient accumulation steps; bf16 autocast; clipping at norm 1 (default: none of them)
@@ -137,9 +138,14 @@ def main() -> None:
                       scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
     for spec in filter(None, os.environ.get("KILLS", "").split(";")):
         rank, gen, where, at = spec.split(":")
-        if where != "init" and int(rank) == world.rank and int(gen) == GEN and (GEN or not world.restart_count):
+        if where not in ("init", "after") and int(rank) == world.rank and int(gen) == GEN \
+                and (GEN or not world.restart_count):
             arm(trainer, where, int(at))
     summary = trainer.fit(int(os.environ.get("EPOCHS", "2")))
+    for spec in filter(None, os.environ.get("KILLS", "").split(";")):
+        rank, gen, where, _ = spec.split(":")
+        if where == "after" and int(rank) == world.rank and int(gen) == GEN and not world.restart_count:
+            die(trainer, where)  # fit has returned on this rank
     state = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}  # buffers too
     torch.save({"state": state, "pid": os.getpid(), "gen": GEN, "step": summary["global_step"],
                 "history": [{k: v for k, v in h.items() if k not in ("time_s", "samples_per_s")}
