@@ -15,9 +15,12 @@ even rounds, backward on odd ones):
         warm template, see ``dptrain.launcher.template``)
     cn  the same with ``DPTRAIN_WARM_TEMPLATE=0``: the replacement is a new interpreter
     d   ``dptrain run --max-restarts 1 --recovery in-place --spares 1``
-    c0  ``dptrain run --recovery in-place`` with no failure (what in-place costs when nothing fails)
-    d0  the same with ``--spares 1`` (what a hot spare costs when nothing fails; d minus d0 is what
-        the failure itself costs with a spare)
+    c0  ``dptrain run --recovery in-place`` with no failure (what in-place costs, or saves, when
+        nothing fails: its ranks are forked from the warm template, one import for the node)
+    d0  the same with ``--spares 1`` (what a hot spare costs when nothing fails)
+
+c minus c0 and d minus d0 in the same round, printed after the table, are what the failure
+itself costs against the uninterrupted run of the same configuration.
 
 The victim kills itself only in its first process (DPTRAIN_GENERATION and
 TORCHELASTIC_RESTART_COUNT both 0). Per variant: time lost per failure (the variant's wall

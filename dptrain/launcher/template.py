@@ -84,9 +84,9 @@ UNUSABLE = 3
 #: ``_stop_if_orphaned``).
 ORPHAN_WAIT_S = 2.0
 
-#: Seconds a replacement waits for the template to fork it: it may still be importing (at the
-#: idle class, so slowly while the ranks train; fast once they wait). After that the
-#: replacement starts afresh.
+#: Seconds a rank or a replacement waits for the template to fork it: it may still be importing
+#: (seconds; more where torch is read from a network file system). After that the process
+#: starts afresh, as a new interpreter.
 FORK_WAIT_S = 60.0
 
 
