@@ -198,16 +198,14 @@ class InPlaceRecovery:
         config = self.job.config
         return proc if self.spares.assign(proc, environ, [config.program] + list(config.args)) else None
 
-    def started(self, base_env: dict[str, str]) -> None:
-        """The ranks of an attempt are started: start (or top up) the hot spares."""
-        if self.spares is None:
-            self.prepare(base_env, 0)
+    def started(self) -> None:
+        """The ranks of an attempt are started (after ``prepare``): start (or top up) the hot spares."""
         if self.spares is not None:
             self._refill = None
             self.spares.fill()
 
     def _beat_for(self, attempt: int) -> Any:
-        """The beat ``prepare`` started for ``attempt`` (now the watch's to close), or None."""
+        """The beat ``beat`` started for ``attempt`` (now the watch's to close), or None."""
         beat, self._beat = self._beat, None
         if beat is not None and beat[0] != attempt:
             beat[1].close()

@@ -151,6 +151,14 @@ _PR_SET_CHILD_SUBREAPER = 36
 _prctl = None
 
 
+def prctl_function():
+    """libc's ``prctl`` (loaded once), or None where there is none (not Linux)."""
+    global _prctl
+    if _prctl is None:
+        _prctl = _load_prctl() or False
+    return _prctl or None
+
+
 def adopt_orphans() -> bool:
     """Make this process the child subreaper of its descendants (Linux): a process whose parent
     dies is re-parented to this one, not to init, so that this one can still wait for it and
@@ -160,10 +168,8 @@ def adopt_orphans() -> bool:
     ``template``): the ranks forked from the template then outlive it, and their exit codes
     still reach the launcher.
     """
-    global _prctl
-    if _prctl is None:
-        _prctl = _load_prctl() or False
-    return bool(_prctl) and _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    prctl = prctl_function()
+    return prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def parent_death_signal(launcher_pid: int):
@@ -172,11 +178,8 @@ def parent_death_signal(launcher_pid: int):
     Runs in the child between fork and exec, so it only calls a function loaded before the
     fork. If the launcher died before the call, the child is already orphaned: it stops.
     """
-    global _prctl
-    if _prctl is None:
-        _prctl = _load_prctl() or False
-    prctl = _prctl
-    if not prctl:
+    prctl = prctl_function()
+    if prctl is None:
         return None
 
     def preexec() -> None:

@@ -388,7 +388,7 @@ class _Job:
         publish(self.store, f"{keys_prefix(attempt)}/{EXITS_PUBLISHED}", "1")
         if self.recovery is not None:
             self.recovery.joined_at = joining
-            self.recovery.started(self.base_env)
+            self.recovery.started()
 
     def watch(self, attempt: int) -> tuple[RankProcess | None, str | None]:
         """Watch the ranks of ``attempt`` until they are done, one fails, or a signal arrives (see ``Watch.run``)."""

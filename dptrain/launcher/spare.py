@@ -127,8 +127,11 @@ def set_command_line(args: list[str], stat: str = "/proc/self/stat") -> bool:
             return False
         data = b"\0".join(os.fsencode(a) for a in args)[:end - start - 1] + b"\0"
         ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(35, 9, ctypes.c_ulong(start + len(data)), 0, 0)  # PR_SET_MM, PR_SET_MM_ARG_END: if allowed
+        from dptrain.launcher.janitor import prctl_function
+
+        prctl = prctl_function()
+        if prctl is not None:  # PR_SET_MM, PR_SET_MM_ARG_END: where this process is allowed to
+            prctl(35, 9, ctypes.c_ulong(start + len(data)), 0, 0)
         return True
     except (OSError, ValueError, IndexError, AttributeError):
         return False
