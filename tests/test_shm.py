@@ -12,8 +12,10 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import shutil
 import signal
 import stat
+import tempfile
 import threading
 import time
 import warnings
@@ -329,6 +331,66 @@ def test_a_rank_killed_during_construction_leaves_no_segment():
     assert status == "ok" and victim[0] == "no answer"
     assert error != "no error" and path.startswith("/dev/shm/" + _shm.SEGMENT_PREFIX)
     assert not exists and not os.path.exists(path)
+
+
+def _made_ahead(rank, folder):
+    n = dist.get_world_size()
+    # Rank 1 makes the segment ahead, as the survivor that sends the state does while it waits.
+    made = _shm_segment.make_ahead(folder, 64 * 1024, n) if rank == 1 else False
+    dist.barrier()
+    listed = os.listdir(folder)
+    g = _shm.ShmGroup.create(None, 64 * 1024, what="made ahead")
+    t = g.zeros(1000, torch.float32)
+    t.fill_(rank + 1.0)
+    g.all_reduce(t).wait()
+    dist.barrier()
+    after = os.listdir(folder)
+    # One of another size is not used (the group makes its own) and is removed all the same.
+    other = _shm_segment.make_ahead(folder, 8 * 1024, n) if rank == 0 else False
+    g2 = _shm.ShmGroup.create(None, 64 * 1024, what="not made ahead")
+    t2 = g2.zeros(10, torch.float32)
+    t2.fill_(rank + 1.0)
+    g2.all_reduce(t2).wait()
+    dist.barrier()
+    return (made, listed, g._seg.path, torch.equal(t, torch.full((1000,), 3.0)), after, other, g2._seg.path,
+            torch.equal(t2, torch.full((10,), 3.0)), os.listdir(folder))
+
+
+def test_a_segment_made_ahead_is_used_by_the_next_group_of_its_size_and_never_left_behind():
+    folder = tempfile.mkdtemp(prefix="dptrain_test_ahead_", dir="/dev/shm")
+    try:
+        results = run_ranks(_made_ahead, 2, folder, env=ON)
+        assert [r[0] for r in results] == [False, True]
+        listed = results[0][1]
+        assert len(listed) == 1 and listed[0].startswith(_shm.SEGMENT_PREFIX)
+        made_path = os.path.join(folder, listed[0])
+        for made, _, used, summed, after, _, used2, summed2, left in results:
+            assert used == made_path and summed  # both ranks mapped the one rank 1 made
+            assert after == [] and left == []  # its name unlinked once mapped; the unused one removed
+            assert used2.startswith("/dev/shm/" + _shm.SEGMENT_PREFIX) and used2 != made_path and summed2
+        assert results[0][5] is True
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_segment_is_made_ahead_only_in_a_folder_on_dev_shm_and_with_shared_memory_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPTRAIN_SHM", "1")
+    assert not _shm_segment.make_ahead(str(tmp_path), 4096, 2)  # on disk: its pages are not memory
+    assert not _shm_segment.make_ahead(None, 4096, 2)
+    assert list(tmp_path.iterdir()) == []
+    folder = tempfile.mkdtemp(prefix="dptrain_test_ahead_", dir="/dev/shm")
+    try:
+        monkeypatch.setenv("DPTRAIN_SHM", "0")
+        assert not _shm_segment.make_ahead(folder, 4096, 2)
+        monkeypatch.setenv("DPTRAIN_SHM", "1")
+        assert _shm_segment.make_ahead(folder, 4096, 2)
+        (name,) = os.listdir(folder)
+        assert stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode) == 0o600
+        _shm_segment.discard_ahead()
+        assert os.listdir(folder) == []
+    finally:
+        _shm_segment.discard_ahead()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_group_obstacle_names_the_rank_and_the_reason():

@@ -5,7 +5,8 @@ Everything outside the package imports from here:
 * :class:`ShmGroup`, :class:`Work`, :class:`ShmPeerError` -- a group's collectives
   (``group.py``: the worker thread, the all-reduce, all-gather and reduce-scatter in place);
 * :func:`for_reducer` -- DDP's choice: one segment on one node, one per node across nodes
-  (``nodes.py``), or none;
+  (``nodes.py``), or none; :func:`ahead_for_parameters` / :func:`discard_ahead` -- a segment
+  made ahead while in-place recovery waits for a replacement, and its removal;
 * :func:`close_all` -- end every group's worker thread (``dptrain.shutdown`` and exit);
   :func:`abort_all` -- the same without waiting for peers (in-place recovery);
 * :func:`node_identity`, :func:`shm_disabled_by_env`, :data:`SEGMENT_PREFIX` -- which node
@@ -15,9 +16,9 @@ Everything outside the package imports from here:
 
 from __future__ import annotations
 
-from dptrain._shm.group import ShmGroup, Work, abort_all, close_all, for_parameters
+from dptrain._shm.group import ShmGroup, Work, abort_all, ahead_for_parameters, close_all, for_parameters
 from dptrain._shm.nodes import for_reducer
-from dptrain._shm.segment import SEGMENT_PREFIX, ShmPeerError, shm_disabled_by_env
+from dptrain._shm.segment import SEGMENT_PREFIX, ShmPeerError, discard_ahead, shm_disabled_by_env
 from dptrain._shm.segment import _node_identity as node_identity
 
 __all__ = [
@@ -26,7 +27,9 @@ __all__ = [
     "ShmPeerError",
     "Work",
     "abort_all",
+    "ahead_for_parameters",
     "close_all",
+    "discard_ahead",
     "for_parameters",
     "for_reducer",
     "node_identity",

@@ -39,11 +39,13 @@ from dptrain._shm.segment import (
     ShmPeerError,
     _aligned,
     _Segment,
+    make_ahead,
     open_segment,
     shm_disabled_by_env,
 )
 
-__all__ = ["ShmGroup", "ShmPeerError", "Work", "abort_all", "for_parameters", "shm_disabled_by_env", "SEGMENT_PREFIX"]
+__all__ = ["ShmGroup", "ShmPeerError", "Work", "abort_all", "ahead_for_parameters", "for_parameters",
+           "shm_disabled_by_env", "SEGMENT_PREFIX"]
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -484,6 +486,15 @@ def for_parameters(params: Sequence[torch.Tensor], group: Any, want: bool | None
     """
     nbytes, devices = region_for(params)
     return ShmGroup.create(group, nbytes, what=what, want=want, devices=devices)
+
+
+def ahead_for_parameters(params: Sequence[torch.Tensor], world_size: int, directory: str | None) -> bool:
+    """Make ahead the segment :func:`for_parameters` over ``world_size`` ranks will need, in
+    ``directory`` (see [Note: a segment made ahead] in segment.py); no collective. True when made."""
+    nbytes, devices = region_for(params)
+    if any(torch.device(d).type != "cpu" for d in devices):
+        return False
+    return make_ahead(directory, nbytes, world_size)
 
 
 def region_for(params: Sequence[torch.Tensor]) -> tuple[int, list[torch.device]]:

@@ -11,7 +11,9 @@ file, its name is unlinked: from then on nothing in ``/dev/shm`` refers to it an
 kernel frees the memory when the last mapping goes -- on a normal exit, an exception, a
 SIGTERM, or a SIGKILL from the launcher alike, with no cleanup code that could be skipped.
 Only during construction (a few milliseconds) does the name exist; a rank that fails
-there removes it, and only the death of *every* rank inside that window could leave it.
+there removes it, and only the death of *every* rank inside that window could leave it. (A
+segment made ahead for in-place recovery exists longer, in the launcher's recovery folder,
+which the launcher removes: see [Note: a segment made ahead].)
 
 Layout: a header page with one cache line per rank -- its 32-bit arrival counter and a
 descriptor of the collective it entered, which every rank compares after the first
@@ -74,7 +76,7 @@ import torch.distributed as dist
 
 from dptrain import _diagnostics, _settings, comm, env
 
-__all__ = ["ShmPeerError", "open_segment", "shm_disabled_by_env", "SEGMENT_PREFIX"]
+__all__ = ["ShmPeerError", "open_segment", "shm_disabled_by_env", "SEGMENT_PREFIX", "make_ahead", "discard_ahead"]
 
 SEGMENT_PREFIX = "dptrain-"
 _SHM_DIR = "/dev/shm"
@@ -178,11 +180,11 @@ def _local_obstacle(devices: Sequence[torch.device]) -> str | None:
 class _Segment:
     """The mapping, the counters and the protocol. Owned by one ShmGroup and its worker."""
 
-    def __init__(self, fd: int, nbytes: int, header: int, region: int, rank: int, ranks: list[int], what: str) -> None:
+    def __init__(self, fd: int, nbytes: int, header: int, region: int, rank: int, ranks: list[int], what: str,
+                 mm: mmap.mmap | None = None) -> None:
         self.fd, self.header, self.region = fd, header, region
         self.rank, self.ranks, self.n, self.what = rank, ranks, len(ranks), what
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self.mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.mm = mm if mm is not None else _map(fd, nbytes)  # mm: mapped already (see make_ahead)
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
         # Per rank, one cache line: the arrival counter, then what it is about to do (see _check).
@@ -414,8 +416,18 @@ def open_segment(
     """Agree with the other ranks on whether to share memory, and map the segment if so.
 
     Collective; the arguments are those of :meth:`dptrain._shm.ShmGroup.create`. Returns
-    None on every rank when any rank cannot or will not take part.
+    None on every rank when any rank cannot or will not take part. A segment this rank made
+    ahead (:func:`make_ahead`) is used when it has the size the group needs, else removed.
     """
+    try:
+        return _open_segment(group, nbytes, what, want, devices)
+    finally:
+        discard_ahead()  # taken by _attach when it was used: nothing left to remove then
+
+
+def _open_segment(
+    group: Any, nbytes: int, what: str, want: bool | None, devices: Sequence[torch.device]
+) -> "_Segment | None":
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return None
     if str(dist.get_backend(group)) == "nccl":  # CUDA tensors on every rank: nothing to ask the others
@@ -431,6 +443,7 @@ def open_segment(
         "node": _node_identity(),
         "token": secrets.token_hex(16) if me == 0 else None,
         "nbytes": int(nbytes),
+        "ahead": None if _ahead is None else (_ahead["path"], _ahead["nbytes"]),  # see make_ahead
     }
     infos = comm.all_gather_object(mine, group=group)
     reason = _group_obstacle(infos, ranks)
@@ -443,8 +456,14 @@ def open_segment(
         return None
     header = _aligned(_ALIGN * n, _PAGE)
     region = _aligned(max(i["nbytes"] for i in infos), _PAGE)
-    path = os.path.join(_SHM_DIR, SEGMENT_PREFIX + infos[0]["token"])
-    seg, reason = _attach(group, me, ranks, path, header + n * region, header, region, what)
+    nbytes = header + n * region
+    # A segment of exactly this size made ahead by one of the ranks (the same choice on every rank).
+    maker = next((j for j, i in enumerate(infos) if i["ahead"] is not None and i["ahead"][1] == nbytes), None)
+    if maker is not None:
+        path = infos[maker]["ahead"][0]
+    else:
+        path = os.path.join(_SHM_DIR, SEGMENT_PREFIX + infos[0]["token"])
+    seg, reason = _attach(group, me, ranks, path, nbytes, header, region, what, maker)
     if seg is None:
         if any(i["wish"] is True for i in infos):
             raise ValueError(f"rank {ranks[me]}: {what}: shared memory was required (shm=True) but {reason}")
@@ -466,24 +485,33 @@ def _group_obstacle(infos: list[dict], ranks: list[int]) -> str | None:
     return None
 
 
-def _attach(group: Any, me: int, ranks: list[int], path: str, nbytes: int, header: int, region: int, what: str):
+def _attach(group: Any, me: int, ranks: list[int], path: str, nbytes: int, header: int, region: int, what: str,
+            maker: int | None = None):
     """Create (first rank), open (the others), map and lock the segment; unlink its name.
 
     Three exchanges through the process group: the token (done by the caller), "created",
     "attached". Any failure on any rank makes every rank return None (or raise, when a
-    peer died), and whichever ranks get that far remove the name.
+    peer died), and whichever ranks get that far remove the name. ``maker``: the rank that
+    made the segment ahead (:func:`make_ahead`); it exists already, so "created" is skipped.
     """
-    fd, seg, problem, problems = -1, None, None, []
+    global _ahead
+    fd, seg, problem, problems, mm = -1, None, None, [], None
     try:
-        if me == 0:
-            fd, problem = _create(path, nbytes)
-        if any(comm.all_gather_object(problem, group=group)):
-            problem = problem or "did not attach: the first rank could not create the segment"
-        elif me != 0:
-            fd, problem = _open_existing(path, nbytes)
+        if maker is not None:
+            if me == maker:
+                fd, mm, _ahead = _ahead["fd"], _ahead["mm"], None
+            else:
+                fd, problem = _open_existing(path, nbytes)
+        else:
+            if me == 0:
+                fd, problem = _create(path, nbytes)
+            if any(comm.all_gather_object(problem, group=group)):
+                problem = problem or "did not attach: the first rank could not create the segment"
+            elif me != 0:
+                fd, problem = _open_existing(path, nbytes)
         if problem is None:
             try:
-                seg = _Segment(fd, nbytes, header, region, me, ranks, what)
+                seg = _Segment(fd, nbytes, header, region, me, ranks, what, mm)
                 seg.path = path  # for messages and tests; the name is gone after construction
                 seg.lock_own_byte()
             except (OSError, ValueError) as exc:
@@ -500,6 +528,64 @@ def _attach(group: Any, me: int, ranks: list[int], path: str, nbytes: int, heade
     if failed:
         return None, f"on rank {failed[0][0]} {failed[0][1]}"
     return seg, None
+
+
+def _map(fd: int, nbytes: int) -> mmap.mmap:
+    """The segment's mapping, its pages mapped now (not at the first touch inside a collective)."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+# [Note: a segment made ahead]
+# In-place recovery re-forms the process group and DDP's rejoin makes a new segment: the
+# first rank reserves its pages, every rank maps them, and one more exchange comes between --
+# about 35 ms for a model of 14 MiB on two ranks, on the path from a failure to the next step,
+# right after a survivor has waited idle for the replacement to start. So the survivor that
+# most likely sends the state makes the segment in that wait (make_ahead): created with a
+# random name in the launcher's recovery folder (on /dev/shm, 0700, and removed by the
+# launcher however the job ends, so a survivor killed in the wait leaves nothing behind),
+# reserved and mapped. open_segment names it in the exchange it does anyway; when its size
+# is the one the group needs, the other ranks open it and the maker keeps its mapping, and
+# from there on it is an ordinary segment (the name unlinked once all have it). Otherwise,
+# and whatever happens, it is removed at the end of that open_segment (discard_ahead).
+_ahead: dict | None = None
+
+
+def make_ahead(directory: str | None, nbytes: int, world_size: int) -> bool:
+    """Make, reserve and map the segment a group of ``world_size`` ranks with regions of ``nbytes``
+    will need, in ``directory`` (only one on /dev/shm); the next :func:`open_segment` of this
+    process uses it or removes it. True when made; False (nothing made) when it cannot be
+    (no such folder, ``DPTRAIN_SHM=0``, /dev/shm full): the group is then made as usual."""
+    global _ahead
+    discard_ahead()
+    if not directory or shm_disabled_by_env() or _local_obstacle([torch.device("cpu")]) is not None:
+        return False
+    if not os.path.realpath(directory).startswith(os.path.realpath(_SHM_DIR) + os.sep):
+        return False
+    total = _aligned(_ALIGN * world_size, _PAGE) + world_size * _aligned(nbytes, _PAGE)
+    path = os.path.join(directory, SEGMENT_PREFIX + secrets.token_hex(16))
+    fd, problem = _create(path, total)
+    if problem is not None:
+        return False
+    try:
+        mm = _map(fd, total)
+    except (OSError, ValueError):
+        os.close(fd)
+        _unlink(path)
+        return False
+    _ahead = {"path": path, "fd": fd, "mm": mm, "nbytes": total}
+    return True
+
+
+def discard_ahead() -> None:
+    """Remove the segment :func:`make_ahead` made, unless an :func:`open_segment` took it."""
+    global _ahead
+    made, _ahead = _ahead, None
+    if made is None:
+        return
+    _unlink(made["path"])
+    made["mm"].close()  # nothing views it yet
+    os.close(made["fd"])
 
 
 def _create(path: str, nbytes: int) -> tuple[int, str | None]:

@@ -75,6 +75,19 @@ def _warm_up() -> None:
         import dptrain.parallel.ddp  # noqa: F401
         import torch._dynamo  # noqa: F401 - DDP's forward needs it: 0.8 s of a 2-core machine's time
     except Exception:  # noqa: BLE001 - the script meets the same error under its rank's name
+        return
+    # What a replacement meets on its way to the first step, 25 ms of imports there (the
+    # Trainer's strategy module, torch.load's, and the profiler module an optimizer's first
+    # step imports through record_function); none of it starts a thread.
+    for name in ("dptrain.parallel.zero", "torch.utils.serialization"):
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001 - a torch without it: imported where needed, or not at all
+            pass
+    try:
+        with torch.autograd.profiler.record_function("dptrain warm-up"):
+            pass
+    except Exception:  # noqa: BLE001 - as above
         pass
 
 

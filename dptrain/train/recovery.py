@@ -492,6 +492,8 @@ class InPlaceRecovery:
         # A survivor that will most likely be the source packs its state now, while the replacement is
         # still starting (the exchange below waits for it anyway): off the path from here on.
         ahead = _pack_state(self._shared_state()) if failed_at is not None and self._likely_source(generation) else None
+        if ahead is not None:  # and makes the new reducer's shared memory (see DistributedDataParallel._prepare_rejoin)
+            t.model._prepare_rejoin(self.directory)
         statuses = comm.all_gather_object(self._status(failed_at, snapshots, newcomer))
         survivors = [s for s in statuses if not s["replacement"]]
         if not survivors:
@@ -605,6 +607,9 @@ class InPlaceRecovery:
         """In-place recovery cannot be exact: have the launcher restart the whole job instead."""
         from dptrain import env
 
+        from dptrain import _shm
+
+        _shm.discard_ahead()  # os._exit below: nothing else would remove it before the launcher does
         message = f"in-place recovery is not possible: {why}; restarting the whole job from its newest checkpoint"
         with contextlib.suppress(Exception):
             env._STATE.store.set("recovery/fallback", message)

@@ -47,7 +47,8 @@ from dptrain.parallel.ddp._compression import _use as use_compression
 from dptrain.parallel.ddp._powersgd import PowerSGDState
 from dptrain.parallel.ddp._signature import torch_ddp
 
-__all__ = ["joining_job", "is_joining", "obstacle", "layout_of", "leave_group", "rejoin", "reducer_layout",
+__all__ = ["joining_job", "is_joining", "obstacle", "layout_of", "leave_group", "prepare_rejoin", "rejoin",
+           "reducer_layout",
            "check_reducer_layout", "adopt_reducer_layout", "LAYOUT_VERSION"]
 
 LAYOUT_VERSION = 1
@@ -266,6 +267,18 @@ def leave_group(ddp: Any) -> None:
         ddp._shm.abort("DistributedDataParallel: the process group was re-formed")
         ddp._shm = None
     ddp.process_group = None
+
+
+def prepare_rejoin(ddp: Any, directory: str | None) -> bool:
+    """``ddp._prepare_rejoin(directory)``: see there."""
+    if ddp._shm_wish is False or not (dist.is_available() and dist.is_initialized()):
+        return False
+    if str(dist.get_backend()) == "nccl":  # GPUs: no shared memory to make
+        return False
+    params = ddp._reducer_params()[0]
+    if not params:
+        return False
+    return _shm.ahead_for_parameters(params, dist.get_world_size(), directory)
 
 
 def rejoin(ddp: Any, layout: dict | None, verify: bool) -> None:

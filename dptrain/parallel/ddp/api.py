@@ -601,6 +601,29 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         _recovery.leave_group(self)
 
+    def _prepare_rejoin(self, directory: str | None) -> bool:
+        """On the re-formed group, before :meth:`_rejoin`, while waiting for the other ranks: make
+        what the rejoin will most likely need (no collective; call it on one rank or several).
+
+        With shared memory on one node, that is the segment of the new reducer, made in
+        ``directory`` -- a private folder on /dev/shm that outlives this process, such as
+        ``dptrain run``'s recovery folder -- and used by the next :meth:`_rejoin` when its size
+        is the one the ranks need there (else removed then): the rejoin then does one exchange
+        less and no rank reserves pages on the way to the next step.
+
+        Args:
+            directory: where the segment may be made; None, or a folder not on /dev/shm:
+                nothing is made.
+
+        Returns:
+            True when something was made, else False (the rejoin does it all, as without).
+
+        Example:
+            >>> ddp._prepare_rejoin(os.environ["DPTRAIN_RECOVERY_DIR"])   # doctest: +SKIP
+            >>> ddp._rejoin(layout)                                       # on every rank
+        """
+        return _recovery.prepare_rejoin(self, directory)
+
     def _rejoin(self, layout: dict | None = None, *, verify: bool = True) -> None:
         """Move onto the re-formed default process group; collective: every rank calls it.
 
