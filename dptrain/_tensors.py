@@ -122,11 +122,17 @@ def _layout(meta: list[tuple[torch.dtype, tuple[int, ...], str]]) -> tuple[list[
     return offsets, end
 
 
-def pack(tensors: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list]:
-    """The bytes of ``tensors`` in one uint8 buffer on ``device``, and what :func:`unpack` needs."""
+def pack(tensors: list[torch.Tensor], device: torch.device,
+         allocate: Callable[[int], torch.Tensor | None] | None = None) -> tuple[torch.Tensor, list]:
+    """The bytes of ``tensors`` in one uint8 buffer on ``device``, and what :func:`unpack` needs.
+
+    ``allocate(nbytes)``, when given, may supply that buffer (a uint8 tensor of ``nbytes`` on
+    ``device``); when it returns None, a new one is made."""
     meta = [(t.dtype, tuple(t.shape), t.device.type) for t in tensors]
     offsets, total = _layout(meta)
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    buffer = allocate(total) if allocate is not None else None
+    if buffer is None:
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
     for t, start in zip(tensors, offsets):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         buffer[start:start + raw.numel()].copy_(raw)
@@ -145,6 +151,11 @@ def unpack(buffer: torch.Tensor, meta: list) -> list[torch.Tensor]:
     return out
 
 
+def packed_nbytes(meta: list) -> int:
+    """The size of the buffer :func:`pack` packed for ``meta``."""
+    return _layout(meta)[1]
+
+
 def empty_for(meta: list, device: torch.device) -> torch.Tensor:
     """A buffer to receive what :func:`pack` packed for ``meta``."""
-    return torch.empty(_layout(meta)[1], dtype=torch.uint8, device=device)
+    return torch.empty(packed_nbytes(meta), dtype=torch.uint8, device=device)

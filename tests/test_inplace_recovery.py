@@ -114,7 +114,7 @@ def _check(out, log, reference, kills, ckpt=None):
     for m in landed:
         assert f"pid {m['pid']}" in log
     assert "restarting all ranks" not in log
-    # No checkpoint file was read by any process: the state came over the process group.
+    # No checkpoint file was read by any process: the state came from a live rank (through /dev/shm here).
     assert glob.glob(os.path.join(out, "reads-*")) == []
     return landed
 

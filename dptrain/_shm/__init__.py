@@ -9,8 +9,9 @@ Everything outside the package imports from here:
   made ahead while in-place recovery waits for a replacement, and its removal;
 * :func:`close_all` -- end every group's worker thread (``dptrain.shutdown`` and exit);
   :func:`abort_all` -- the same without waiting for peers (in-place recovery);
-* :func:`node_identity`, :func:`shm_disabled_by_env`, :data:`SEGMENT_PREFIX` -- which node
-  this is, whether ``DPTRAIN_SHM=0`` turned sharing off, and how segments are named
+* :func:`node_identity`, :func:`shm_disabled_by_env`, :data:`SEGMENT_PREFIX`,
+  :func:`in_shared_memory` -- which node this is, whether ``DPTRAIN_SHM=0`` turned sharing off,
+  how segments are named, and whether a folder is in /dev/shm
   (``segment.py``: the file, its mapping, the protocol, a dead peer's detection).
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from dptrain._shm.group import ShmGroup, Work, abort_all, ahead_for_parameters, close_all, for_parameters
 from dptrain._shm.nodes import for_reducer
-from dptrain._shm.segment import SEGMENT_PREFIX, ShmPeerError, discard_ahead, shm_disabled_by_env
+from dptrain._shm.segment import SEGMENT_PREFIX, ShmPeerError, discard_ahead, in_shared_memory, shm_disabled_by_env
 from dptrain._shm.segment import _node_identity as node_identity
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "discard_ahead",
     "for_parameters",
     "for_reducer",
+    "in_shared_memory",
     "node_identity",
     "shm_disabled_by_env",
 ]

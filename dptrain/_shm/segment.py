@@ -76,7 +76,8 @@ import torch.distributed as dist
 
 from dptrain import _diagnostics, _settings, comm, env
 
-__all__ = ["ShmPeerError", "open_segment", "shm_disabled_by_env", "SEGMENT_PREFIX", "make_ahead", "discard_ahead"]
+__all__ = ["ShmPeerError", "open_segment", "shm_disabled_by_env", "SEGMENT_PREFIX", "make_ahead", "discard_ahead",
+           "in_shared_memory"]
 
 SEGMENT_PREFIX = "dptrain-"
 _SHM_DIR = "/dev/shm"
@@ -560,7 +561,7 @@ def make_ahead(directory: str | None, nbytes: int, world_size: int) -> bool:
     discard_ahead()
     if not directory or shm_disabled_by_env() or _local_obstacle([torch.device("cpu")]) is not None:
         return False
-    if not os.path.realpath(directory).startswith(os.path.realpath(_SHM_DIR) + os.sep):
+    if not in_shared_memory(directory):
         return False
     total = _aligned(_ALIGN * world_size, _PAGE) + world_size * _aligned(nbytes, _PAGE)
     path = os.path.join(directory, SEGMENT_PREFIX + secrets.token_hex(16))
@@ -575,6 +576,11 @@ def make_ahead(directory: str | None, nbytes: int, world_size: int) -> bool:
         return False
     _ahead = {"path": path, "fd": fd, "mm": mm, "nbytes": total}
     return True
+
+
+def in_shared_memory(path: str) -> bool:
+    """Whether ``path`` lies under /dev/shm (its files are memory, not disk)."""
+    return os.path.realpath(path).startswith(os.path.realpath(_SHM_DIR) + os.sep)
 
 
 def discard_ahead() -> None:
