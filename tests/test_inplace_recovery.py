@@ -145,6 +145,17 @@ def test_a_rank_that_dies_after_fit_returned_restarts_the_job_instead_of_waiting
         assert _same(finals[rank]["state"], ref["state"]), f"rank {rank}'s weights differ from the uninterrupted run's"
 
 
+def test_a_rank_killed_in_a_second_fit_is_still_replaced_in_place(tmp_path):
+    # The end of the first fit is said in the store (see the test above); the second fit's start
+    # takes it back, so a failure in the second one is recovered in place, not by a restart.
+    reference = _run(tmp_path / "ref", 2, "", None, FITS="1,2")
+    kills = ["1:0:optimizer:17"]  # 12 steps per epoch: in the second fit's epoch
+    log = _run(tmp_path / "out", 2, ";".join(kills), None, FITS="1,2")
+    assert "rank 1 done at step 24" in reference
+    _check(tmp_path / "out", log, _finals(tmp_path / "ref"), kills)
+    assert "after rank 0's Trainer.fit had returned" not in log, log
+
+
 def test_three_ranks_without_checkpoints_recover_in_place_bitwise_also_when_a_replacement_dies_joining(
         tmp_path, uninterrupted):
     # Rank 2's first replacement dies while it joins (generation 1), its second one (2) dies in an evaluation.

@@ -416,6 +416,9 @@ class InPlaceRecovery:
 
         trainer = self.trainer
         if self.active:
+            if trainer.rank == 0:  # a fit after another: its failures are recovered in place again (see finish)
+                with contextlib.suppress(Exception):
+                    env._STATE.store.delete_key(_regroup.FINISHED)
             env._STATE.store.set(f"recovery/capable/{trainer.rank}", "1")
             if self.resizable:
                 env._STATE.store.set(f"recovery/resizable/{trainer.rank}", "1")

@@ -11,6 +11,7 @@ Environment:
           or init: right after dptrain.init() (a replacement that dies while it joins), or after: once
           Trainer.fit has returned
   EPOCHS  epochs (default 2)
+  FITS    ','-separated epoch counts: Trainer.fit to each in turn, in the one process (instead of EPOCHS)
   STRATEGY the Trainer's strategy (default: its own choice, "ddp")
   ACCUM, AMP, CLIP  gradient accumulation steps; bf16 autocast; clipping at norm 1 (default: none of them)
   WORKERS  the train loader's worker processes (default 0)
@@ -141,7 +142,8 @@ def main() -> None:
         if where not in ("init", "after") and int(rank) == world.rank and int(gen) == GEN \
                 and (GEN or not world.restart_count):
             arm(trainer, where, int(at))
-    summary = trainer.fit(int(os.environ.get("EPOCHS", "2")))
+    for epochs in os.environ.get("FITS", "").split(",") if os.environ.get("FITS") else [os.environ.get("EPOCHS", "2")]:
+        summary = trainer.fit(int(epochs))  # FITS: one fit after the other, each to its number of epochs
     for spec in filter(None, os.environ.get("KILLS", "").split(";")):
         rank, gen, where, _ = spec.split(":")
         if where == "after" and int(rank) == world.rank and int(gen) == GEN and not world.restart_count:
