@@ -712,9 +712,7 @@ class InPlaceRecovery:
 
     def _fall_back(self, why: str) -> None:
         """In-place recovery cannot be exact: have the launcher restart the whole job instead."""
-        from dptrain import env
-
-        from dptrain import _shm
+        from dptrain import _shm, env
 
         _shm.discard_ahead()  # os._exit below: nothing else would remove it before the launcher does
         message = f"in-place recovery is not possible: {why}; restarting the whole job from its newest checkpoint"
