@@ -38,6 +38,9 @@ What makes a forked child the process a fresh start would have made:
   them, a child gets the parent-death signal (SIGTERM) when the template is gone. Either way
   the janitor stops the children if the launcher dies (see [Note: how ranks die with the
   launcher] in ``janitor``);
+* what it leaves behind when it dies (its DataLoader workers, a subprocess) is reaped by the
+  template, which is the subreaper of its children's descendants: an orphan is re-parented to
+  it, not to the launcher (which would keep it as a zombie until the job ends) or to init;
 * it is not forked at all where the imports ahead loaded the CUDA driver (``cuda_driver_loaded``):
   CUDA does not survive a fork. The template then ends with ``UNUSABLE`` and says why, the
   launcher shows that, and ranks and replacements start as new interpreters;
@@ -133,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return UNUSABLE
     gc.freeze()
+    from dptrain.launcher.janitor import adopt_orphans
+
+    adopt_orphans()  # a child's orphans come here and are reaped (see _reap); not inherited by a fork
     fds = _serve(sock, launcher)
     if fds is None:
         return 0
@@ -233,7 +239,8 @@ def _stop_if_orphaned(launcher: int, children: set[int], wait_s: float = 0.0) ->
 
 
 def _reap(sock: socket.socket, children: set[int]) -> None:
-    """Report every child that ended (its code as ``Popen.returncode`` gives it)."""
+    """Report every child that ended (its code as ``Popen.returncode`` gives it); reap, and say
+    nothing of, an orphan of theirs that was re-parented to this process (see ``main``)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -241,8 +248,9 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
             return
         if pid == 0:
             return
-        children.discard(pid)
-        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        if pid in children:
+            children.discard(pid)
+            _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 def _send(sock: socket.socket, msg: dict) -> None:

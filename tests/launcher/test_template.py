@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -48,6 +49,12 @@ if how == "raise":
     raise ValueError("the script's own error")
 if how == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
+if how == "orphan":  # a process of its own (a DataLoader worker, say) that outlives it
+    import subprocess
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    print(json.dumps({"worker": worker.pid}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(int(how))
 '''
 
@@ -67,8 +74,9 @@ def template(tmp_path_factory):
     assert tpl.proc.returncode is not None
 
 
-def _run(tpl, *args, env=None):
-    """Fork a child, give it the task, and return (exit code, its state, its stderr)."""
+def _run(tpl, *args, env=None, lines_out=None):
+    """Fork a child, give it the task, and return (exit code, its state, its stderr); ``lines_out``
+    gets every line it printed."""
     child = tpl.take(wait_s=120)
     if child is None and any("CUDA driver" in line for line in tpl.lines):
         pytest.skip(f"this torch loads the CUDA driver as it is imported: no forks ({tpl.lines})")
@@ -82,6 +90,8 @@ def _run(tpl, *args, env=None):
     child.stdout.close()
     child.stderr.close()
     lines = out.decode().splitlines()
+    if lines_out is not None:
+        lines_out.extend(lines)
     return code, (json.loads(lines[0]) if lines else None), err.decode()
 
 
@@ -132,6 +142,32 @@ def test_a_childs_exception_and_signal_are_reported_as_a_scripts(template):
     assert "runpy" not in err and "template.py" not in err and "spare.py" not in err  # none of our frames
     code, _, _ = _run(template, "kill")
     assert code == -signal.SIGKILL
+
+
+def _parent_and_state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None  # gone: reaped
+    return int(fields[1]), fields[0]
+
+
+def test_what_a_dead_child_leaves_behind_is_reaped_by_the_template(template):
+    # A child killed with a process of its own still running (a DataLoader worker, say): the orphan
+    # is re-parented to the template, which reaps it when it ends; it does not stay a zombie of the
+    # launcher's until the job ends, nor go to init.
+    printed = []
+    code, _, _ = _run(template, "orphan", lines_out=printed)
+    assert code == -signal.SIGKILL
+    worker = json.loads(printed[1])["worker"]
+    assert _parent_and_state(worker)[0] == template.proc.pid  # still running (or just ended)
+    deadline = time.monotonic() + 30
+    while _parent_and_state(worker) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _parent_and_state(worker) is None  # ended and reaped, not a zombie
+    code, _, _ = _run(template, "5")  # the template still reports its own children
+    assert code == 5
 
 
 def test_a_spare_no_longer_needed_ends_with_code_0(template):
