@@ -345,6 +345,7 @@ def _made_ahead(rank, folder):
     g.all_reduce(t).wait()
     dist.barrier()
     after = os.listdir(folder)
+    dist.barrier()  # every rank has looked before rank 0 makes the next one
     # One of another size is not used (the group makes its own) and is removed all the same.
     other = _shm_segment.make_ahead(folder, 8 * 1024, n) if rank == 0 else False
     g2 = _shm.ShmGroup.create(None, 64 * 1024, what="not made ahead")
