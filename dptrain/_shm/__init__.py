@@ -10,8 +10,9 @@ Everything outside the package imports from here:
 * :func:`close_all` -- end every group's worker thread (``dptrain.shutdown`` and exit);
   :func:`abort_all` -- the same without waiting for peers (in-place recovery);
 * :func:`node_identity`, :func:`shm_disabled_by_env`, :data:`SEGMENT_PREFIX`,
-  :func:`in_shared_memory` -- which node this is, whether ``DPTRAIN_SHM=0`` turned sharing off,
-  how segments are named, and whether a folder is in /dev/shm
+  :func:`in_shared_memory`, :func:`memory_file` -- which node this is, whether ``DPTRAIN_SHM=0``
+  turned sharing off, how segments are named, whether a folder is in /dev/shm, and a new file
+  there, reserved and mapped (a segment made ahead; in-place recovery's state)
   (``segment.py``: the file, its mapping, the protocol, a dead peer's detection).
 """
 
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 from dptrain._shm.group import ShmGroup, Work, abort_all, ahead_for_parameters, close_all, for_parameters
 from dptrain._shm.nodes import for_reducer
-from dptrain._shm.segment import SEGMENT_PREFIX, ShmPeerError, discard_ahead, in_shared_memory, shm_disabled_by_env
+from dptrain._shm.segment import (SEGMENT_PREFIX, ShmPeerError, discard_ahead, in_shared_memory, memory_file,
+                                  shm_disabled_by_env)
 from dptrain._shm.segment import _node_identity as node_identity
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "for_parameters",
     "for_reducer",
     "in_shared_memory",
+    "memory_file",
     "node_identity",
     "shm_disabled_by_env",
 ]

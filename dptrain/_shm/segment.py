@@ -77,7 +77,7 @@ import torch.distributed as dist
 from dptrain import _diagnostics, _settings, comm, env
 
 __all__ = ["ShmPeerError", "open_segment", "shm_disabled_by_env", "SEGMENT_PREFIX", "make_ahead", "discard_ahead",
-           "in_shared_memory"]
+           "in_shared_memory", "memory_file"]
 
 SEGMENT_PREFIX = "dptrain-"
 _SHM_DIR = "/dev/shm"
@@ -531,9 +531,9 @@ def _attach(group: Any, me: int, ranks: list[int], path: str, nbytes: int, heade
     return seg, None
 
 
-def _map(fd: int, nbytes: int) -> mmap.mmap:
+def _map(fd: int, nbytes: int, populate: bool = True) -> mmap.mmap:
     """The segment's mapping, its pages mapped now (not at the first touch inside a collective)."""
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
@@ -559,23 +559,35 @@ def make_ahead(directory: str | None, nbytes: int, world_size: int) -> bool:
     (no such folder, ``DPTRAIN_SHM=0``, /dev/shm full): the group is then made as usual."""
     global _ahead
     discard_ahead()
-    if not directory or shm_disabled_by_env() or _local_obstacle([torch.device("cpu")]) is not None:
-        return False
-    if not in_shared_memory(directory):
-        return False
     total = _aligned(_ALIGN * world_size, _PAGE) + world_size * _aligned(nbytes, _PAGE)
-    path = os.path.join(directory, SEGMENT_PREFIX + secrets.token_hex(16))
-    fd, problem = _create(path, total)
-    if problem is not None:
+    made = memory_file(directory, SEGMENT_PREFIX, total)
+    if made is None:
         return False
+    path, fd, mm = made
+    _ahead = {"path": path, "fd": fd, "mm": mm, "nbytes": total}
+    return True
+
+
+def memory_file(directory: str | None, prefix: str, nbytes: int, populate: bool = True):
+    """A new file of ``nbytes`` in ``directory`` when that is on /dev/shm and shared memory is on,
+    named ``prefix`` and a random token, private to this user, its pages reserved and mapped
+    shared (``populate``: mapped now, not at first touch): ``(path, fd, mapping)``, or None when it
+    cannot be (nothing is left behind then)."""
+    if not directory or not nbytes or shm_disabled_by_env() or _local_obstacle([torch.device("cpu")]) is not None:
+        return None
+    if not in_shared_memory(directory):
+        return None
+    path = os.path.join(directory, prefix + secrets.token_hex(16))
+    fd, problem = _create(path, nbytes)
+    if problem is not None:
+        return None
     try:
-        mm = _map(fd, total)
+        mm = _map(fd, nbytes, populate)
     except (OSError, ValueError):
         os.close(fd)
         _unlink(path)
-        return False
-    _ahead = {"path": path, "fd": fd, "mm": mm, "nbytes": total}
-    return True
+        return None
+    return path, fd, mm
 
 
 def in_shared_memory(path: str) -> bool:

@@ -195,8 +195,12 @@ class InPlaceRecovery:
                 self.job.log(f"dptrain run: the warm template forked no rank in {template.FORK_WAIT_S:.0f} s; this "
                              f"node's ranks start as new processes")
             return None
+        return proc if self._assign(proc, environ) else None
+
+    def _assign(self, proc: Any, environ: dict[str, str]) -> bool:
+        """Make the waiting ``proc`` (a spare, a fork) this node's rank of ``environ`` (see ``Spares.assign``)."""
         config = self.job.config
-        return proc if self.spares.assign(proc, environ, [config.program] + list(config.args)) else None
+        return self.spares.assign(proc, environ, [config.program] + list(config.args))
 
     def started(self) -> None:
         """The ranks of an attempt are started (after ``prepare``): start (or top up) the hot spares."""
@@ -348,7 +352,7 @@ class InPlaceRecovery:
                  "spare": spare is not None and not forked, "forked": forked}
         job.store.set(recovery_key(attempt, f"generation/{generation}"), json.dumps(entry))
         environ = dict(failed.environ, DPTRAIN_GENERATION=str(generation))
-        if spare is not None and not self.spares.assign(spare, environ, [config.program] + list(config.args)):
+        if spare is not None and not self._assign(spare, environ):
             spare = None
         new = RankProcess(failed.rank, failed.local_rank, failed.cmd, environ, failed.show, job.console, failed.logs,
                           proc=spare)

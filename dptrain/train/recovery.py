@@ -180,27 +180,17 @@ STATE_FILE_PREFIX = "state-"
 def _state_file(nbytes: int, directory: str | None, made: list) -> torch.Tensor | None:
     """A writable buffer of ``nbytes`` that is a new file in ``directory`` when that is on /dev/shm
     (its path appended to ``made``), or None."""
-    import mmap
-
     from dptrain import _shm
 
-    if not nbytes or not directory or not _shm.in_shared_memory(directory) or _shm.shm_disabled_by_env():
+    prefix = f"{STATE_FILE_PREFIX}{os.getpid()}-"
+    if directory:
+        for old in glob.glob(os.path.join(directory, prefix + "*")):
+            _remove(old)  # an earlier recovery's that a failure left behind
+    file = _shm.memory_file(directory, prefix, nbytes, populate=False)  # packing writes every page anyway
+    if file is None:  # the process group carries the state instead
         return None
-    for old in glob.glob(os.path.join(directory, f"{STATE_FILE_PREFIX}{os.getpid()}-*")):
-        _remove(old)  # an earlier recovery's that a failure left behind
-    path = os.path.join(directory, f"{STATE_FILE_PREFIX}{os.getpid()}-{os.urandom(8).hex()}")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return None
-    try:
-        os.posix_fallocate(fd, 0, nbytes)  # /dev/shm full: an error now, not a SIGBUS while packing
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except (OSError, ValueError):  # the process group carries the state instead
-        _remove(path)
-        return None
-    finally:
-        os.close(fd)
+    path, fd, mm = file
+    os.close(fd)  # the mapping keeps the file
     made.append(path)
     return torch.frombuffer(mm, dtype=torch.uint8)
 
