@@ -168,7 +168,7 @@ def command(variant: str, args, out: str, ckpt: str, kill: str | None) -> list[s
             launcher += ["--spares", "1"]
     job = [JOB, "--out", out, "--ckpt", ckpt, "--epochs", str(args.epochs), "--steps", str(args.steps),
            "--every", str(args.every), "--batch", str(args.batch), "--width", str(args.width),
-           "--depth", str(args.depth)]
+           "--depth", str(args.depth)] + (["--ballast-mb", str(args.ballast_mb)] if args.ballast_mb else [])
     return [*launcher, *job, *(["--kill", kill] if kill else [])]
 
 
@@ -362,6 +362,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     ap.add_argument("--width", type=int, default=1280)
     ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--ballast-mb", type=int, default=0,
+                    help="memory each rank holds besides the model (MiB): a larger process takes the kernel longer to end")
     ap.add_argument("--variants", default="u,ut,a,b,c,d,c0", help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--timeout", type=float, default=300, help="seconds one run may take before it is killed")
     ap.add_argument("--quick", action="store_true", help="1 round of a 1-epoch, 20-step job (every 5 steps)")

@@ -48,11 +48,15 @@ p.add_argument("--batch", type=int, default=32, help="samples per rank per step"
 p.add_argument("--width", type=int, default=1024)
 p.add_argument("--depth", type=int, default=3, help="hidden layers of --width")
 p.add_argument("--kill", default="", help="RANK:PHASE:STEP")
+p.add_argument("--ballast-mb", type=int, default=0,
+               help="MiB a rank's first process holds (written, so resident) besides the model: a larger process "
+                    "takes the kernel longer to end when it is killed (a replacement holds none, to start as fast)")
 args = p.parse_args()
 
 GEN = int(os.environ.get("DPTRAIN_GENERATION") or 0)
 RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 torch.set_num_threads(1)
+BALLAST = torch.ones(args.ballast_mb * 2**18) if args.ballast_mb and not GEN and not RESTART else None
 
 os.makedirs(args.out, exist_ok=True)
 _rank_env = int(os.environ.get("RANK", "0"))

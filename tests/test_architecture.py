@@ -27,7 +27,8 @@ PACKAGE = os.path.join(ROOT, "dptrain")
 #: that it equals or starts (``dptrain.parallel`` holds ``dptrain.parallel.ddp.reducer``).
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("ground: no torch, shared by the launcher and the ranks",
-     ("dptrain._errors", "dptrain._exit", "dptrain._heartbeat", "dptrain._settings", "dptrain._torch_version")),
+     ("dptrain._errors", "dptrain._exit", "dptrain._heartbeat", "dptrain._proc", "dptrain._settings",
+      "dptrain._torch_version")),
     ("who am I", ("dptrain.environments",)),
     ("joining a job and talking in it",
      ("dptrain.env", "dptrain._join", "dptrain.comm", "dptrain._diagnostics", "dptrain._regroup")),

@@ -255,6 +255,47 @@ def test_a_rank_killed_mid_all_reduce_is_named_and_leaves_no_segment():
     assert not [f for f in os.listdir("/dev/shm") if f in os.path.basename(path)]
 
 
+def _peer_seen_dying(rank):
+    import subprocess
+    import sys
+
+    from dptrain import _proc
+
+    g = _shm.ShmGroup.create(None, 4096, what="test all-reduce")
+    seen = g._seg.processes[1 - rank]
+    # A process of rank 0's that a SIGKILL left unreaped: a zombie, as a killed rank's main thread is
+    # while the kernel still ends the rest of it (and still holds its lock).
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) if rank == 0 else None
+    box = [(child.pid, _proc.start_time(child.pid)) if child else None]
+    dist.broadcast_object_list(box, src=0)
+    if rank == 0:
+        child.kill()
+        while _proc.dying(child.pid) is None:
+            time.sleep(0.001)
+    dist.barrier()
+    said = None
+    if rank == 1:
+        g._seg.processes[0] = box[0]  # rank 0 "is" the dying process; its lock is held all along
+        started = time.monotonic()
+        try:
+            g.all_reduce(torch.ones(8)).wait()  # rank 0 never enters it
+        except Exception as exc:  # noqa: BLE001 - what the survivor is told
+            said = (type(exc).__name__, str(exc), time.monotonic() - started)
+    dist.barrier()  # rank 0 waits here until rank 1 was told
+    if child is not None:
+        child.wait()
+    return seen, said
+
+
+def test_a_peer_whose_process_the_kernel_is_still_ending_counts_as_dead():
+    results = run_ranks(_peer_seen_dying, 2, env={**ON, "DPTRAIN_TIMEOUT": "30"})
+    for seen, _ in results:
+        assert seen is not None and len(seen) == 2  # the peer's (pid, start time): same PID namespace
+    name, text, _ = results[1][1]
+    # Told at once that rank 0's process exited, not after the collective timeout (its lock is held)
+    assert name == "ShmPeerError" and "rank 0 did not arrive: its process exited" in text, text
+
+
 class _SlowBackward(torch.autograd.Function):
     """Identity whose backward takes a while and says (in ``ran``) that it ran."""
 

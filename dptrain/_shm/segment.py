@@ -48,7 +48,9 @@ then waits for every other counter to reach the same value: a few reads, then
 slice it checks the deadline (dptrain's collective timeout) and whether the missing rank
 still lives: each rank holds a POSIX record lock on one byte of the segment, which the
 kernel drops when the process dies, so a dead rank is noticed within a slice even across
-PID namespaces, and the error names it. A POSIX lock is owned by the process, not
+PID namespaces, and the error names it. Within one PID namespace a rank that the kernel is
+still ending (killed: its lock goes only tens of ms later) counts as dead already (see
+[Note: a process that is dying] in :mod:`dptrain._proc`). A POSIX lock is owned by the process, not
 inherited by ``fork``, so a DataLoader worker does not keep a dead rank "alive".
 Counters are written with plain aligned 32-bit stores: on x86-64 (TSO) stores become
 visible in program order (glibc fences its non-temporal copies); elsewhere a system call
@@ -74,7 +76,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from dptrain import _diagnostics, _settings, comm, env
+from dptrain import _diagnostics, _proc, _settings, comm, env
 
 __all__ = ["ShmPeerError", "open_segment", "shm_disabled_by_env", "SEGMENT_PREFIX", "make_ahead", "discard_ahead",
            "in_shared_memory", "memory_file"]
@@ -201,6 +203,7 @@ class _Segment:
         self.count = 0  # collectives issued, for messages
         self.closed = False
         self.path = ""
+        self.processes: list[tuple[int, int | None] | None] = [None] * self.n  # (pid, start time) where visible
 
     # ---- addresses
     def view(self, j: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -224,7 +227,10 @@ class _Segment:
             fcntl.lockf(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, j, os.SEEK_SET)
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EAGAIN):
-                return True  # rank j still holds its lock
+                # Rank j still holds its lock; a rank killed holds it until the kernel has ended it,
+                # tens of ms later, but in its PID namespace that shows at once (see dptrain._proc).
+                seen = self.processes[j]
+                return seen is None or _proc.dying(*seen) is None
             raise
         fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, j, os.SEEK_SET)
         return False
@@ -445,6 +451,7 @@ def _open_segment(
         "token": secrets.token_hex(16) if me == 0 else None,
         "nbytes": int(nbytes),
         "ahead": None if _ahead is None else (_ahead["path"], _ahead["nbytes"]),  # see make_ahead
+        "process": _this_process(),
     }
     infos = comm.all_gather_object(mine, group=group)
     reason = _group_obstacle(infos, ranks)
@@ -470,7 +477,19 @@ def _open_segment(
             raise ValueError(f"rank {ranks[me]}: {what}: shared memory was required (shm=True) but {reason}")
         env._warn_once_main(f"{what}: shared memory is off, falling back to gloo: {reason}")
         return None
+    here = mine["process"][0]
+    seg.processes = [tuple(i["process"][1:]) if here is not None and i["process"][0] == here else None
+                     for i in infos]
     return seg
+
+
+def _this_process() -> tuple:
+    """(PID namespace, pid, start time): who this rank is, for a peer that sees its /proc (see _Segment.alive)."""
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = None
+    return pidns, os.getpid(), _proc.start_time(os.getpid())
 
 
 def _group_obstacle(infos: list[dict], ranks: list[int]) -> str | None:

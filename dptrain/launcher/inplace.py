@@ -5,8 +5,9 @@ fails is replaced by a new process, and the other ranks keep running.
 The ranks and their launchers talk through the job's store, under ``keys_prefix(attempt)``
 (see ``dptrain._heartbeat``), in ``recovery/``:
 
-* ``capable/<rank>`` = "1", written by a rank that can recover in place (the Trainer, as fit
-  starts). A failure is recovered in place only when every rank of the job wrote it;
+* ``capable/<rank>`` = "1" (or "cuda", by one that uses a GPU), written by a rank that can
+  recover in place (the Trainer, as fit starts). A failure is recovered in place only when
+  every rank of the job wrote it;
 * ``fallback`` = why not, written by a rank that cannot go on in place (it then exits with
   code 75);
 * ``count``, a counter: the launcher whose rank failed takes the next generation number
@@ -15,7 +16,9 @@ The ranks and their launchers talk through the job's store, under ``keys_prefix(
   before it starts the replacement; the other ranks wait for it, then re-form the process
   group with the replacement (``dptrain.train.recovery``).
 
-When a rank of this node exits with a code other than 0 (or is killed), restarts remain,
+When a rank of this node exits with a code other than 0 (or is killed; seen as soon as it
+starts to exit, while the kernel still frees its memory: see [Note: a process that is dying]
+in ``dptrain._proc``; a rank that said it uses a GPU is waited for), restarts remain,
 every rank said it is capable and none wrote ``fallback``, the launcher stops what is left of
 that rank (its DataLoader workers), takes a generation number, writes the generation, and
 starts the replacement with the rank's own environment (``RANK``, ``LOCAL_RANK``,
@@ -260,12 +263,16 @@ class InPlaceRecovery:
                 failed, peer = watch.run(lambda running: self._tick(running, attempt))
                 if failed is None or self.job.signals.received:
                     return failed, peer
-                why = self.ended.get(failed.proc.pid) or describe_exit(failed.poll())
+                code = failed.poll()
+                if code is None:  # the kernel is still ending it (see Watch's ``early``)
+                    code = watch.exits[failed.rank][0]
+                why = self.ended.get(failed.proc.pid) or describe_exit(code)
                 try:
                     replaced = self._replace(watch, attempt, failed, why, time.time())
                 except (RuntimeError, OSError):  # the store is gone (node 0 ended): the usual failure
                     replaced = False
                 if not replaced:
+                    failed.join(None)  # the usual failure reads its exit code: it has one once the kernel is done
                     return failed, None
         finally:
             if self.nodes is not None:
@@ -346,6 +353,10 @@ class InPlaceRecovery:
             if self.nodes.dropped is not None:
                 return False
         traceback = self._bury(failed, attempt)
+        if self._holds_a_gpu(attempt, failed.rank):
+            # Its device memory is freed only when the kernel has ended it: a replacement started before
+            # that could run out of it (on the CPU the two overlapping costs nothing but a little memory).
+            self._reap(failed)
         spare = self.spares.take() if self.spares is not None else None
         forked = getattr(spare, "on_demand", False)  # not waiting before: forked now from the warm template
         entry = {"rank": failed.rank, "why": why, "pid": failed.proc.pid, "time": noticed,
@@ -366,7 +377,8 @@ class InPlaceRecovery:
                 f"in-place recovery: replacement pid {new.proc.pid}{spare_said} "
                 f"joins generation {generation} (restart {restart} of {config.max_restarts}); the other ranks keep "
                 f"running{forked_said}")
-        # Its last output is shown now, off the path from the failure to the replacement.
+        # Its end and its last output are waited for now, off the path from the failure to the replacement.
+        self._reap(failed)
         finish_output([failed], timeout_s=2.0)
         tail = traceback or "\n".join(failed.tail)
         if tail:
@@ -399,10 +411,10 @@ class InPlaceRecovery:
     def _bury(self, failed: RankProcess, attempt: int) -> str:
         """Stop what is left of ``failed`` (its process group: DataLoader workers) and return the
         traceback it left ("" if none); its error file is removed, so that the replacement's own
-        failure is never reported with this one's traceback."""
+        failure is never reported with this one's traceback. The rank may still be ending (see
+        [Note: a process that is dying] in ``dptrain._proc``): it writes nothing more, and
+        ``_reap`` waits for it."""
         failed.send(signal.SIGKILL)
-        failed.join(None)
-        self.job.janitor.tell("forget", failed.proc.pid)
         # The file named when it started: a rank renumbered since (see ``resize``) still writes there.
         path = failed.environ.get("TORCHELASTIC_ERROR_FILE") or error_file(self.job.error_dir, attempt, failed.rank)
         traceback = read_error_file(path)
@@ -411,6 +423,18 @@ class InPlaceRecovery:
         except OSError:
             pass
         return traceback
+
+    def _reap(self, failed: RankProcess) -> None:
+        """Wait until the kernel has ended ``failed`` (SIGKILLed by ``_bury``; it frees the memory first)."""
+        failed.join(None)
+        self.job.janitor.tell("forget", failed.proc.pid)
+
+    def _holds_a_gpu(self, attempt: int, rank: int) -> bool:
+        """Whether ``rank`` said, as its Trainer started, that it uses CUDA (``capable/<rank>`` = "cuda")."""
+        try:
+            return self.job.store.get(recovery_key(attempt, f"capable/{rank}")) == b"cuda"
+        except (RuntimeError, OSError):  # read before, by _blocker: the store went away since
+            return True
 
     # -- stalled ranks -----------------------------------------------------------------------
     def _end_stalled(self, running: list[RankProcess], attempt: int) -> None:

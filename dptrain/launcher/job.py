@@ -393,7 +393,7 @@ class _Job:
     def watch(self, attempt: int) -> tuple[RankProcess | None, str | None]:
         """Watch the ranks of ``attempt`` until they are done, one fails, or a signal arrives (see ``Watch.run``)."""
         self.watching = Watch(self.store, attempt, self.ranks, self.signals, self.log, self.stall_s, self.config.nnodes,
-                              self.warnings)
+                              self.warnings, early=self.recovery is not None)
         if self.recovery is not None:
             return self.recovery.watch(self.watching, attempt)
         return self.watching.run()

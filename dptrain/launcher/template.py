@@ -75,6 +75,7 @@ import sys
 import time
 from typing import Callable
 
+from dptrain import _proc
 from dptrain.launcher.spare import _last_line, _read_task, _warm_up, command, run_task, spare_path0
 
 __all__ = ["Template", "ForkedProcess", "supported", "start", "main"]
@@ -446,7 +447,7 @@ class Template:
     def exit_code(self, pid: int) -> int | None:
         """The exit code of child ``pid`` (a ``ForkedProcess`` of this template) once it ended, else None."""
         code = self._codes.get(pid)
-        if code is None and self.gone and not self.adopts and not _running(pid):
+        if code is None and self.gone and not self.adopts and not _proc.running(pid):
             # The template died first: the child got its parent-death signal, and nobody is left to say.
             code = -int(signal.SIGTERM)
         return code
@@ -487,15 +488,6 @@ class Template:
             pass
         self.proc.wait()
         self.proc.stderr.close()
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 if __name__ == "__main__":

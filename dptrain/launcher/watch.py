@@ -74,11 +74,13 @@ class Watch:
     ``signals`` is the launcher's record of signals (``received``, and ``forward``: the
     SIGUSR1s to pass on); ``log`` prints a launcher line; ``nnodes`` > 1 makes it look for
     failures of other nodes; ``warnings`` reports malformed values read from the store (default:
-    one of its own, through ``log``).
+    one of its own, through ``log``); ``early``: a rank that the kernel is still ending counts as
+    exited already (in-place recovery; see [Note: a process that is dying] in :mod:`dptrain._proc`).
     """
 
     def __init__(self, store: Any, attempt: int, ranks: Sequence[RankProcess], signals: Any,
-                 log: Callable[[str], None], stall_s: float, nnodes: int, warnings: Warnings | None = None) -> None:
+                 log: Callable[[str], None], stall_s: float, nnodes: int, warnings: Warnings | None = None,
+                 early: bool = False) -> None:
         self.store = store
         self.attempt = attempt
         self.ranks = ranks
@@ -87,6 +89,7 @@ class Watch:
         self.stall_s = stall_s
         self.nnodes = nnodes
         self.warn = warnings or Warnings(log)
+        self.early = early
         self.exits: dict[int, tuple[int, float]] = {}  # rank -> (exit code, time.monotonic())
         self._early_exit_reported = False
         self._unequal_reported = False  # the unequal-batches hint of a stall report is said once
@@ -186,6 +189,8 @@ class Watch:
             running = []
             for r in self.ranks:
                 code = r.poll()
+                if code is None and self.early:
+                    code = r.dying()
                 if code is None:
                     running.append(r)
                 elif r.rank not in self.exits:

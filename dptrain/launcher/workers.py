@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
-from dptrain import _torch_version
+from dptrain import _proc, _torch_version
 from dptrain.environments import usable_cores
 from dptrain.launcher.janitor import parent_death_signal
 from dptrain.launcher.relay import Console, Relay
@@ -179,6 +179,11 @@ class RankProcess:
 
     def poll(self) -> int | None:
         return self.proc.poll()
+
+    def dying(self) -> int | None:
+        """The exit status of a rank that the kernel is still ending (see [Note: a process that is
+        dying] in :mod:`dptrain._proc`), as :meth:`poll` will give it; None while it runs."""
+        return _proc.dying(self.proc.pid)
 
     def renumber(self, rank: int) -> None:
         """The job went on without a node and this rank's number changed (see ``resize``)."""

@@ -409,7 +409,8 @@ class InPlaceRecovery:
             if trainer.rank == 0:  # a fit after another: its failures are recovered in place again (see finish)
                 with contextlib.suppress(Exception):
                     env._STATE.store.delete_key(_regroup.FINISHED)
-            env._STATE.store.set(f"recovery/capable/{trainer.rank}", "1")
+            # "cuda": the launcher waits until a dead rank's device memory is freed before replacing it.
+            env._STATE.store.set(f"recovery/capable/{trainer.rank}", "cuda" if torch.cuda.is_initialized() else "1")
             if self.resizable:
                 env._STATE.store.set(f"recovery/resizable/{trainer.rank}", "1")
             if self.seq < 0:

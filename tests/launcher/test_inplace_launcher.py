@@ -31,7 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #: not write ``capable``), ``fallback`` (rank 0 writes it, and exits 75, on seeing generation
 #: 1 of attempt 0), ``wait_spare`` (the victim fails only once a hot spare has imported torch;
 #: its replacement says which spares run (``JOINED``) before it writes ``recovery/done/<g>``),
-#: ``kill_template`` (the victim SIGKILLs the launcher's warm template before it dies).
+#: ``kill_template`` (the victim SIGKILLs the launcher's warm template before it dies),
+#: ``ballast_gb`` (the victim holds that much memory when it dies), ``capable`` (the value each
+#: rank writes, "1" by default; "cuda": a rank that uses a GPU).
 #: Every rank but the victim waits for the victim to finish (``test/done``).
 FAKE_RANK = r'''
 import os, sys, time
@@ -116,7 +118,12 @@ say("START", t=STARTED, age=AGE, torch=HAD_TORCH, local_rank=int(os.environ["LOC
     recovery=os.environ.get("DPTRAIN_RECOVERY"), folder=folder,
     mode=stat.S_IMODE(os.stat(folder).st_mode) if folder else None)
 if rank not in plan.get("incapable", []):
-    store.set(keys + f"recovery/capable/{rank}", "1")
+    store.set(keys + f"recovery/capable/{rank}", plan.get("capable", "1"))
+if gen:  # the process this one replaces: still being ended by the kernel, or gone
+    from dptrain import _proc
+
+    old = json.loads(store.get(keys + f"recovery/generation/{gen}"))["pid"]
+    say("OLD", dying=_proc.dying(old), gone=not os.path.exists(f"/proc/{old}"))
 
 
 def heartbeat(op, seq):
@@ -147,6 +154,7 @@ if rank == victim:
             time.sleep(0.5)
             say("STALLING")
             os.kill(os.getpid(), signal.SIGSTOP)
+        ballast = b"x" * (plan.get("ballast_gb", 0) << 30)  # memory the kernel frees after the kill
         say("DYING", t=time.time())
         os.kill(os.getpid(), signal.SIGKILL)
     if gen and plan.get("wait_spare"):
@@ -178,7 +186,7 @@ while store.check([keys + f"recovery/generation/{g}"]):
 say("END", generations=generations, spares=[pid for pid, _ in spares()])
 '''
 
-_LINE = re.compile(r"^\[rank(\d+)\] (START|END|DYING|STALLING|JOINED) (\{.*\})$")
+_LINE = re.compile(r"^\[rank(\d+)\] (START|END|DYING|STALLING|JOINED|OLD) (\{.*\})$")
 
 
 @pytest.fixture
@@ -258,6 +266,22 @@ def test_a_killed_rank_is_replaced_and_the_others_keep_running(fake):
     assert folder == second["folder"] and start0["mode"] == 0o700
     assert folder.startswith("/dev/shm/") or not os.path.isdir("/dev/shm")
     assert not os.path.exists(folder)
+
+
+@pytest.mark.parametrize("capable", ["1", "cuda"])
+def test_the_replacement_starts_while_the_kernel_still_ends_the_dead_rank_unless_it_used_a_gpu(fake, capable):
+    # 2 GiB take the kernel a quarter of a second to free after the SIGKILL; a replacement (a new
+    # interpreter, no torch) is up in a tenth of that. A GPU's memory is freed only at the very end.
+    plan = json.dumps({"ballast_gb": 2, "capable": capable})
+    out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "1", fake, plan, timeout=60)
+    assert out.returncode == 0, out.stderr
+    (old,) = said(events(out.stdout), "OLD", rank=1)
+    if capable == "cuda":
+        assert old == {**old, "dying": None, "gone": True}  # waited for
+    else:
+        assert old == {**old, "dying": -signal.SIGKILL, "gone": False}  # seen dying, not waited for
+    line = _replacement_line(out.stderr)
+    assert line[2].startswith("was killed by SIGKILL"), line[2]
 
 
 def test_restarts_count_replacements_and_a_death_past_them_ends_the_job_as_usual(fake):

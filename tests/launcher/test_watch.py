@@ -72,3 +72,32 @@ def test_a_stall_report_says_when_a_rank_waits_in_a_ddp_step_the_other_never_ent
         entry[2] -= 2.0
     watch._report_stalls(seen, running)
     assert len(lines) == 5 and "has made no progress for 4s" in lines[4], lines  # the reports go on, the hint once
+
+
+class _Dying:
+    """A rank whose process the kernel is still ending: ``poll`` says so only at its ``polls``-th call."""
+
+    def __init__(self, rank: int, polls: int) -> None:
+        self.rank, self.polls, self.calls, self.asked = rank, polls, 0, 0
+
+    def poll(self):
+        self.calls += 1
+        return -9 if self.calls >= self.polls else None
+
+    def dying(self):
+        self.asked += 1
+        return -9
+
+
+def test_an_early_watch_counts_a_rank_the_kernel_is_still_ending_as_exited():
+    for early in (True, False):
+        store = _Store({})
+        ranks = [SimpleNamespace(rank=0, poll=lambda: None, dying=lambda: None), _Dying(1, polls=3)]
+        watch = Watch(store, 0, ranks, SimpleNamespace(received=False, forward=[]), [].append, stall_s=1.0, nnodes=1,
+                      early=early)
+        failed, peer = watch.run()
+        assert failed is ranks[1] and peer is None
+        assert watch.exits[1][0] == -9
+        assert json.loads(store.data[f"{keys_prefix(0)}/exit/1"])["code"] == -9  # published for the other nodes
+        # Early: at the first look, from /proc; otherwise only when the process could be waited for.
+        assert (ranks[1].calls, ranks[1].asked) == ((1, 1) if early else (3, 0))
