@@ -76,7 +76,7 @@ import time
 from typing import Callable
 
 from dptrain import _proc
-from dptrain.launcher.spare import _last_line, _read_task, _warm_up, command, run_task, spare_path0
+from dptrain.launcher.spare import _last_line, _read_task, _warm_heap, _warm_up, command, run_task, spare_path0
 
 __all__ = ["Template", "ForkedProcess", "supported", "start", "main"]
 
@@ -279,6 +279,8 @@ def _child(fds: list[int], path0: str, outlive: bool) -> int:
             numpy.random.seed()  # from the OS, as a fresh import seeds it
         except Exception:  # noqa: BLE001 - best effort: the script meets a broken numpy itself
             pass
+    if not select.select([0], [], [], 0)[0]:  # no task yet: a spare, waiting (see [Note: a spare's memory is warm])
+        _warm_heap()
     try:
         task = _read_task()
     except (OSError, ValueError):
