@@ -107,6 +107,16 @@ def on_leaving(fn: Any) -> None:
         _on_leaving.append(fn)
 
 
+_while_waiting: list[Any] = []  # called once with the member's world, while it waits in form for the others
+
+
+def while_waiting(fn: Any) -> None:
+    """Register ``fn(world)``: work a member can do while it waits for the others in :func:`form`
+    (called at most once per wait, on the waiting thread; an exception is ignored)."""
+    if fn not in _while_waiting:
+        _while_waiting.append(fn)
+
+
 def leave_if_broken(keys: Any, current: int) -> bool:
     """The heartbeat thread's look (see [Note: a peer that goes silent]): when a generation after
     ``current`` is announced for a failure (a node lost, a rank dead), cut the group of an older
@@ -263,6 +273,7 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
     # as a newer generation by its launcher, a lost node by node 0's, so the wait still ends.
     wait_s = max(timeout.total_seconds(), ARRIVAL_WAIT_S)
     deadline = time.monotonic() + wait_s
+    idle = list(_while_waiting)  # a replacement, the first to arrive, has time to spare here
     g = newest_generation(keys, generation - 1)
     while True:
         here = world_at(keys, world, since, g)
@@ -286,7 +297,13 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
                     f"rank {here.rank}: only {count} of {here.world_size} ranks arrived for in-place recovery "
                     f"(generation {g}) within {wait_s:.0f}s"
                 )
-            time.sleep(_POLL_S)
+            if idle:
+                for fn in idle:
+                    with contextlib.suppress(Exception):
+                        fn(here)
+                idle = []
+            else:
+                time.sleep(_POLL_S)
             count = int(keys.add(arrived, 0))
         if newer:
             g = newest_generation(keys, g)

@@ -72,3 +72,64 @@ def test_a_node_let_in_or_a_group_formed_for_the_generation_is_not_cut(monkeypat
     assert _regroup.leave_if_broken(keys, 1) and cuts == [1]
     assert "generation 2 (node(s) 1 (rank(s) 1) stopped answering)" in said[0]
     assert not _regroup.leave_if_broken(keys, 1) and cuts == [1]  # once
+
+
+class _Arrivals(_Keys):
+    """The calls ``form``'s wait makes: the others never arrive, and the job ends after ``polls`` looks."""
+
+    def __init__(self, polls: int) -> None:
+        super().__init__({_regroup.generation_key(1): json.dumps({"rank": 1, "why": "was killed by SIGKILL"})})
+        self.polls = polls
+
+    def add(self, name, amount):
+        self[name] = str(int(self.get(name)) + amount if name in self else amount)
+        return int(self[name])
+
+    def check(self, names):
+        if names == [_regroup.FINISHED]:
+            self.polls -= 1
+            return self.polls < 0
+        return super().check(names)
+
+
+def test_a_member_waiting_for_the_others_does_the_registered_work_once(monkeypatch):
+    import datetime
+    from types import SimpleNamespace
+
+    done = []
+    monkeypatch.setattr(_regroup, "_while_waiting", [done.append, lambda world: 1 / 0])  # a failing one is ignored
+    world = SimpleNamespace(rank=1, world_size=2, launch_attempt=0)
+    try:
+        _regroup.form(None, _Arrivals(polls=5), world, "gloo", datetime.timedelta(seconds=60), 1, since=1)
+    except _regroup.JobFinished:
+        pass
+    else:
+        raise AssertionError("form returned without the other member")
+    assert done == [world]  # once, however many looks the wait took
+
+
+def test_a_replacement_reads_its_ranks_snapshots_while_it_waits_and_the_trainer_takes_them(monkeypatch, tmp_path):
+    from dptrain.train import recovery
+
+    for seq in (4, 5):
+        torch.save({"seq": seq, "rng": {}, "loss_sum": torch.zeros(()), "sample_count": 0, "buffers": {}},
+                   tmp_path / f"rank1.{seq % 2}")
+    monkeypatch.setenv("DPTRAIN_RECOVERY", "in-place")
+    monkeypatch.setenv("DPTRAIN_GENERATION", "1")
+    monkeypatch.setenv("DPTRAIN_RECOVERY_DIR", str(tmp_path))
+    monkeypatch.setattr(recovery, "_READ_AHEAD", {})
+    monkeypatch.setattr(recovery, "_READ_AHEAD_ONCE", [False])
+    assert recovery._read_ahead in _regroup._while_waiting  # registered as the Trainer's module is imported
+    from types import SimpleNamespace
+
+    recovery._read_ahead(SimpleNamespace(rank=1))
+    recovery._read_ahead(SimpleNamespace(rank=1))  # a later wait (a second recovery) reads nothing again
+    read = recovery._READ_AHEAD[(str(tmp_path), 1)]
+    assert sorted(read) == [4, 5]
+    for f in tmp_path.iterdir():
+        f.unlink()  # the join must not need the files any more
+    fake = SimpleNamespace(snapshot=None, prepared=None, seq=-1, directory=str(tmp_path),
+                           trainer=SimpleNamespace(rank=1), _newcomer=lambda: False)
+    held, newcomer = recovery.InPlaceRecovery._snapshots(fake)
+    assert sorted(held) == [4, 5] and not newcomer
+    assert recovery._READ_AHEAD == {}  # taken once

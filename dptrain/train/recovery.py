@@ -258,6 +258,37 @@ def _broadcast_state(packed: tuple | None, src: int, me: int, one_node: bool) ->
     return shared, how
 
 
+def _read_snapshots(directory: str, rank: int) -> dict[int, "_Snapshot"]:
+    """The snapshots a rank's process left in ``directory`` (see [Note: in-place recovery]), by commit."""
+    held = {}
+    for path in glob.glob(os.path.join(directory, f"rank{rank}.[01]")):
+        with contextlib.suppress(Exception):  # a file being replaced: the other one is the older commit
+            snap = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(snap.get("seq"), int):
+                held[snap["seq"]] = _Snapshot(snap)
+    return held
+
+
+# A replacement reads the snapshots of the rank it replaces while it waits in dptrain.init for the
+# survivors to re-form the group (they notice the failure only at their next collective): that
+# wait is usually the longer, so the reading is off the path to the next step. Only the process
+# with a rank's number ever writes that rank's files, and the dead one no longer can: what was
+# read then is what the Trainer would read later. Keyed by (folder, rank): a rank renumbered by a
+# resize meanwhile reads its new number's files at the join, as before.
+_READ_AHEAD: dict[tuple[str, int], dict] = {}
+_READ_AHEAD_ONCE = [False]  # in the process's first wait only: later ones are a member's, not a newcomer's
+
+
+def _read_ahead(world: Any) -> None:
+    directory = _settings.get("DPTRAIN_RECOVERY_DIR")
+    if is_replacement() and directory and not _READ_AHEAD_ONCE[0]:
+        _READ_AHEAD_ONCE[0] = True
+        _READ_AHEAD[(directory, world.rank)] = _read_snapshots(directory, world.rank)
+
+
+_regroup.while_waiting(_read_ahead)
+
+
 class _Snapshot(dict):
     """One rank's part of a commit: ``seq`` (the commit's number), ``rng``, ``loss_sum``, ``sample_count``,
     ``buffers`` (plain CPU tensors: small, and loadable with ``weights_only=True``): the entry a checkpoint keeps
@@ -513,15 +544,15 @@ class InPlaceRecovery:
     def _snapshots(self) -> tuple[dict[int, _Snapshot], bool]:
         """This rank's parts of the commits it can recover to, by commit number, and whether it is a
         newcomer (see :meth:`_newcomer`). A survivor holds its last commit's and perhaps the next one's;
-        a replacement reads its rank's files, which the dead process wrote."""
+        a replacement reads its rank's files, which the dead process wrote (read already, most
+        often, while it waited for the others in ``dptrain.init``: see ``_read_ahead``)."""
         held = {s["seq"]: s for s in (self.snapshot, self.prepared) if s is not None}
         if self.seq >= 0 or not self.directory:
             return held, False
-        for path in glob.glob(os.path.join(self.directory, f"rank{self.trainer.rank}.[01]")):
-            with contextlib.suppress(Exception):  # a file being replaced: the other one is the older commit
-                snap = torch.load(path, map_location="cpu", weights_only=True)
-                if isinstance(snap.get("seq"), int):
-                    held[snap["seq"]] = _Snapshot(snap)
+        files = _READ_AHEAD.pop((self.directory, self.trainer.rank), None)
+        if files is None:
+            files = _read_snapshots(self.directory, self.trainer.rank)
+        held.update(files)
         return held, self._newcomer()
 
     def _likely_source(self, generation: int) -> bool:
