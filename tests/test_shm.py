@@ -262,7 +262,9 @@ def _peer_seen_dying(rank):
     from dptrain import _proc
 
     g = _shm.ShmGroup.create(None, 4096, what="test all-reduce")
-    seen = g._seg.processes[1 - rank]
+    pids = [None, None]
+    dist.all_gather_object(pids, (os.getpid(), _proc.start_time(os.getpid())))
+    seen = g._seg.processes[1 - rank] == pids[1 - rank]  # the peer's process, from the segment's exchange
     # A process of rank 0's that a SIGKILL left unreaped: a zombie, as a killed rank's main thread is
     # while the kernel still ends the rest of it (and still holds its lock).
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) if rank == 0 else None
@@ -289,8 +291,7 @@ def _peer_seen_dying(rank):
 
 def test_a_peer_whose_process_the_kernel_is_still_ending_counts_as_dead():
     results = run_ranks(_peer_seen_dying, 2, env={**ON, "DPTRAIN_TIMEOUT": "30"})
-    for seen, _ in results:
-        assert seen is not None and len(seen) == 2  # the peer's (pid, start time): same PID namespace
+    assert [seen for seen, _ in results] == [True, True]  # each knows the other's (pid, start time)
     name, text, _ = results[1][1]
     # Told at once that rank 0's process exited, not after the collective timeout (its lock is held)
     assert name == "ShmPeerError" and "rank 0 did not arrive: its process exited" in text, text
