@@ -26,7 +26,9 @@ kernel would have said the process ended anyway -- never later than without this
 
 from __future__ import annotations
 
-__all__ = ["dying", "running", "start_time"]
+import os
+
+__all__ = ["dying", "running", "start_time", "identity"]
 
 _PF_EXITING = 0x4  # the task's flag (field 9): set as it starts to exit, before its memory is freed
 
@@ -57,6 +59,16 @@ def start_time(pid: int) -> int | None:
         return int(fields[19]) if fields else None
     except (IndexError, ValueError):
         return None
+
+
+def identity() -> tuple[int | None, int, int | None]:
+    """(PID namespace, pid, :func:`start_time`) of this process: what a peer on the same node needs to
+    read its ``/proc`` entry -- only a peer in the same PID namespace sees it under that pid."""
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = None
+    return pidns, os.getpid(), start_time(os.getpid())
 
 
 def dying(pid: int, started: int | None = None) -> int | None:

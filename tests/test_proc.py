@@ -115,3 +115,9 @@ def test_no_such_process():
     assert _proc.dying(2**22 + 12345) is None
     assert not _proc.running(2**22 + 12345)
     assert _proc.start_time(2**22 + 12345) is None
+
+
+def test_identity_names_this_process_and_its_pid_namespace():
+    pidns, pid, started = _proc.identity()
+    assert pid == os.getpid() and started == _proc.start_time(os.getpid()) is not None
+    assert pidns == os.stat("/proc/self/ns/pid").st_ino

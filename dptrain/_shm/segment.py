@@ -451,7 +451,7 @@ def _open_segment(
         "token": secrets.token_hex(16) if me == 0 else None,
         "nbytes": int(nbytes),
         "ahead": None if _ahead is None else (_ahead["path"], _ahead["nbytes"]),  # see make_ahead
-        "process": _this_process(),
+        "process": _proc.identity(),  # see _Segment.alive
     }
     infos = comm.all_gather_object(mine, group=group)
     reason = _group_obstacle(infos, ranks)
@@ -481,15 +481,6 @@ def _open_segment(
     seg.processes = [tuple(i["process"][1:]) if here is not None and i["process"][0] == here else None
                      for i in infos]
     return seg
-
-
-def _this_process() -> tuple:
-    """(PID namespace, pid, start time): who this rank is, for a peer that sees its /proc (see _Segment.alive)."""
-    try:
-        pidns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        pidns = None
-    return pidns, os.getpid(), _proc.start_time(os.getpid())
 
 
 def _group_obstacle(infos: list[dict], ranks: list[int]) -> str | None:

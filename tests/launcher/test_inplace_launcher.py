@@ -72,6 +72,11 @@ gen = int(os.environ.get("DPTRAIN_GENERATION", "0"))
 keys = f"dptrain/attempt{attempt}/dp/"
 store = StoreClient(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
 victim = plan.get("victim", 1)
+if gen:  # the process this one replaces, looked at first thing: still being ended by the kernel, or gone
+    from dptrain import _proc
+
+    OLD = json.loads(store.get(keys + f"recovery/generation/{gen}"))["pid"]
+    OLD = {"dying": _proc.dying(OLD), "gone": not os.path.exists(f"/proc/{OLD}")}
 PARENT = os.getppid()  # the launcher, or the warm template that forked this process
 with open(f"/proc/{PARENT}/cmdline", "rb") as fh:
     FORKED = b"dptrain.launcher.template" in fh.read()
@@ -129,11 +134,8 @@ say("START", t=STARTED, age=AGE, torch=HAD_TORCH, faults=FAULTS, local_rank=int(
     mode=stat.S_IMODE(os.stat(folder).st_mode) if folder else None)
 if rank not in plan.get("incapable", []):
     store.set(keys + f"recovery/capable/{rank}", plan.get("capable", "1"))
-if gen:  # the process this one replaces: still being ended by the kernel, or gone
-    from dptrain import _proc
-
-    old = json.loads(store.get(keys + f"recovery/generation/{gen}"))["pid"]
-    say("OLD", dying=_proc.dying(old), gone=not os.path.exists(f"/proc/{old}"))
+if gen:
+    say("OLD", **OLD)
 
 
 def heartbeat(op, seq):
@@ -280,9 +282,10 @@ def test_a_killed_rank_is_replaced_and_the_others_keep_running(fake):
 
 @pytest.mark.parametrize("capable", ["1", "cuda"])
 def test_the_replacement_starts_while_the_kernel_still_ends_the_dead_rank_unless_it_used_a_gpu(fake, capable):
-    # 2 GiB take the kernel a quarter of a second to free after the SIGKILL; a replacement (a new
-    # interpreter, no torch) is up in a tenth of that. A GPU's memory is freed only at the very end.
-    plan = json.dumps({"ballast_gb": 2, "capable": capable})
+    # 4 GiB take the kernel half a second to free after the SIGKILL (0.25 s for 2 GiB, which a busy
+    # machine's fresh interpreter once needed all of); a replacement (a new interpreter, no torch)
+    # looks at the old process in a tenth of that. A GPU's memory is freed only at the very end.
+    plan = json.dumps({"ballast_gb": 4, "capable": capable})
     out = dptrain_run("--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "1", fake, plan, timeout=60)
     assert out.returncode == 0, out.stderr
     (old,) = said(events(out.stdout), "OLD", rank=1)
