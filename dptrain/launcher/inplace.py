@@ -263,10 +263,8 @@ class InPlaceRecovery:
                 failed, peer = watch.run(lambda running: self._tick(running, attempt))
                 if failed is None or self.job.signals.received:
                     return failed, peer
-                code = failed.poll()
-                if code is None:  # the kernel is still ending it (see Watch's ``early``)
-                    code = watch.exits[failed.rank][0]
-                why = self.ended.get(failed.proc.pid) or describe_exit(code)
+                # As the watch recorded it: the kernel may still be ending it (see Watch's ``early``).
+                why = self.ended.get(failed.proc.pid) or describe_exit(watch.exits[failed.rank][0])
                 try:
                     replaced = self._replace(watch, attempt, failed, why, time.time())
                 except (RuntimeError, OSError):  # the store is gone (node 0 ended): the usual failure
@@ -353,9 +351,10 @@ class InPlaceRecovery:
             if self.nodes.dropped is not None:
                 return False
         traceback = self._bury(failed, attempt)
-        if self._holds_a_gpu(attempt, failed.rank):
-            # Its device memory is freed only when the kernel has ended it: a replacement started before
-            # that could run out of it (on the CPU the two overlapping costs nothing but a little memory).
+        # A GPU's memory is freed only when the kernel has ended the rank: a replacement started before
+        # that could run out of it (on the CPU the two overlapping costs nothing but a little memory).
+        reaped = self._holds_a_gpu(attempt, failed.rank)
+        if reaped:
             self._reap(failed)
         spare = self.spares.take() if self.spares is not None else None
         forked = getattr(spare, "on_demand", False)  # not waiting before: forked now from the warm template
@@ -378,7 +377,8 @@ class InPlaceRecovery:
                 f"joins generation {generation} (restart {restart} of {config.max_restarts}); the other ranks keep "
                 f"running{forked_said}")
         # Its end and its last output are waited for now, off the path from the failure to the replacement.
-        self._reap(failed)
+        if not reaped:
+            self._reap(failed)
         finish_output([failed], timeout_s=2.0)
         tail = traceback or "\n".join(failed.tail)
         if tail:
