@@ -55,6 +55,11 @@ __all__ = [
 #: slow checkpoint on rank 0, short enough that a stalled job does not burn a night of GPU time.
 DEFAULT_TIMEOUT_S: float = _settings.default("DPTRAIN_TIMEOUT")
 
+#: Sent by ``dptrain run`` to the other ranks of its node once it replaces a rank in place: they
+#: stop the step they are computing (see [Note: stopping a step at once] in ``dptrain._interrupt``).
+#: Ignored by default, so a process that does not handle it is unaffected.
+STEP_STOP_SIGNAL = signal.SIGURG
+
 PROCESS_GROUP_PART = "pg"
 DPTRAIN_PART = "dp"
 EXITS_PUBLISHED = "exit/published"

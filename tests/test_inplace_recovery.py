@@ -211,3 +211,35 @@ def test_a_plain_loop_with_recoverable_loop_recovers_in_place_bitwise(tmp_path):
     kills = ["1:0:forward:5", "1:1:all_reduce:9", "0:0:optimizer:14"]
     log = _run(tmp_path / "out", 2, ";".join(kills), script=LOOP)
     _check(tmp_path / "out", log, _finals(tmp_path / "whole"), kills)
+
+
+def test_a_survivor_in_a_slow_forward_stops_it_at_once_when_its_launcher_signals_the_death(tmp_path, uninterrupted):
+    # Rank 1 dies as step 3 starts while rank 0 computes that step's forward, 0.5 s per module (8 modules).
+    # dptrain run's signal stops rank 0 before its next module (see [Note: stopping a step at once] in
+    # dptrain._interrupt), not after the forward and into the backward, where its first all-reduce would fail.
+    kills = ["1:0:forward:3"]
+    log = _run(tmp_path / "out", 2, ";".join(kills), tmp_path / "ckpt", SLOW="0:3:0.5")
+    _check(tmp_path / "out", log, uninterrupted[2], kills, tmp_path / "ckpt")
+    with open(tmp_path / "out" / "slow-rank0.json") as fh:
+        sleeps = json.load(fh)["sleeps"]
+    assert 1 <= sleeps <= 2, sleeps  # 8 without the signal
+
+
+def test_stray_stop_signals_change_nothing_and_a_real_death_is_still_recovered_bitwise(tmp_path, uninterrupted):
+    # Rank 0 gets SIGURG every millisecond all along: no step of it stops unless a generation was announced.
+    kills = ["1:0:all_reduce:5"]
+    log = _run(tmp_path / "out", 2, ";".join(kills), tmp_path / "ckpt", STORM="0")
+    _check(tmp_path / "out", log, uninterrupted[2], kills, tmp_path / "ckpt")
+
+
+def test_a_survivor_that_does_not_take_the_signal_recovers_in_place_from_a_step_longer_than_a_heartbeat(
+        tmp_path, uninterrupted):
+    # The script handles SIGURG itself, so rank 0 learns of rank 1's death only from its heartbeat thread
+    # (every 2 s), which aborts the group while the 4 s forward goes on. The backward's first all-reduce
+    # then failed with an error that in-place recovery did not count as a peer's failure: rank 0 exited,
+    # and the whole job restarted from its checkpoint.
+    kills = ["1:0:forward:3"]
+    log = _run(tmp_path / "out", 2, ";".join(kills), tmp_path / "ckpt", SLOW="0:3:0.5", OWN_URG="1")
+    _check(tmp_path / "out", log, uninterrupted[2], kills, tmp_path / "ckpt")
+    with open(tmp_path / "out" / "slow-rank0.json") as fh:
+        assert json.load(fh)["sleeps"] == 8  # the whole forward: no signal stopped it

@@ -147,8 +147,10 @@ class _Runner:
         if then is not None:
             work.then(then)
         with self.lock:
-            if self.seg.closed or self.seg.aborted is not None:
+            if self.seg.aborted is not None or self.seg.closed:
                 work._finish()  # what waits for its end (a profiler event) is not left open
+                if self.seg.aborted is not None:  # a peer's failure (in-place recovery tells it from this type)
+                    raise ShmPeerError(f"{self.seg.what}: not started: {self.seg.broken}")
                 raise RuntimeError(f"{self.seg.what}: the shared-memory group was closed (by dptrain.shutdown(), "
                                    f"or a failed collective); a DDP model cannot train after dptrain.shutdown(): "
                                    f"call it once training is over")

@@ -69,7 +69,7 @@ import time
 from typing import Any, Callable
 
 from dptrain import _settings
-from dptrain._heartbeat import describe_exit, keys_prefix, recovery_key, where
+from dptrain._heartbeat import STEP_STOP_SIGNAL, describe_exit, keys_prefix, recovery_key, where
 from dptrain._join import ranks_text
 from dptrain.launcher import store_values, template
 from dptrain.launcher.resize import ENTRY_WAIT_S, Nodes, start_beat
@@ -367,6 +367,7 @@ class InPlaceRecovery:
         new = RankProcess(failed.rank, failed.local_rank, failed.cmd, environ, failed.show, job.console, failed.logs,
                           proc=spare)
         job.ranks[job.ranks.index(failed)] = new
+        self._stop_steps(new)
         job.janitor.tell("group", new.proc.pid)
         watch.exits.pop(failed.rank, None)  # the rank runs again: its next exit is the replacement's
         self.forget_progress()
@@ -386,6 +387,15 @@ class InPlaceRecovery:
         if self.spares is not None:
             self._refill = (attempt, generation, time.monotonic())  # see _refill_spares
         return True
+
+    def _stop_steps(self, new: RankProcess) -> None:
+        """Tell this node's other ranks to stop the step they compute, which they would otherwise find
+        out only at its next collective (see [Note: stopping a step at once] in ``dptrain._interrupt``):
+        the generation is announced and the replacement started by now."""
+        for rank in self.job.ranks:
+            if rank is not new and getattr(rank.proc, "returncode", None) is None:  # not reaped: its pid is its own
+                with contextlib.suppress(OSError):
+                    os.kill(rank.proc.pid, STEP_STOP_SIGNAL)
 
     def _refill_spares(self) -> None:
         """Start the next spare once the recovery it would slow is over.

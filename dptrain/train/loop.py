@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
+from dptrain import _interrupt
 from dptrain.env import get_world
 from dptrain.train import _parts
 from dptrain.train.checkpointer import Checkpointer
@@ -91,6 +92,9 @@ class RecoverableLoop:
         if self._recovery.active:
             # The snapshot of the coming commit, once the forward has drawn its random numbers.
             model.register_forward_hook(self._after_forward)
+            # A peer's death may stop a step's forward or backward, never what follows the optimizer's
+            # step inside the block (a forward there would find the step applied but not committed).
+            optimizer.register_step_pre_hook(lambda *_: _interrupt.disarm())
             if is_replacement():
                 self._recovery.join()
 
@@ -132,13 +136,16 @@ class RecoverableLoop:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """One optimizer step; a peer's failure inside is recovered and the step is done again."""
+        _interrupt.arm()  # until the optimizer's step begins (see __init__): a peer's death stops the step at once
         try:
             yield
         except Exception as exc:
+            _interrupt.disarm()
             if not self._recovery.can_recover(exc):
                 raise
             self._recovery.recover(exc)
             self._rewind = True  # batches() yields again from the step the job is at
             return
+        _interrupt.disarm()
         self.state.global_step += 1
         self._recovery.commit(self.state.batch_in_epoch + 1, prepared=True)

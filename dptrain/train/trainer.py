@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from dptrain import _heartbeat, _settings, comm
+from dptrain import _heartbeat, _interrupt, _settings, comm
 from dptrain._tensors import move_to_device
 from dptrain.data import prepare_dataloader
 from dptrain.env import World, _warn_once_main, device as _default_device, get_world, init, is_initialized, world_from_environ
@@ -473,17 +473,21 @@ class Trainer:
             inputs, targets = split_batch(move_to_device(batch, self.device))
             n = num_samples(targets)
             sync = (b + 1) % accum == 0 or b + 1 == num_batches
-            with contextlib.nullcontext() if sync else self.strategy.no_sync(self.model):
-                with self._autocast():
-                    loss = self.loss_fn(forward(self.model, inputs), targets)
-                if sync and self._recovery.active:
-                    self._recovery.prepare_step(step_sums + [(loss.detach(), n)])
-                if prof is not None:
-                    prof.lap("forward")
-                scaled = loss / accum if accum > 1 else loss
-                if self.scaler is not None:
-                    scaled = self.scaler.scale(scaled)
-                scaled.backward()
+            _interrupt.arm()  # a peer's death noted from here to the backward's end stops the step at once
+            try:
+                with contextlib.nullcontext() if sync else self.strategy.no_sync(self.model):
+                    with self._autocast():
+                        loss = self.loss_fn(forward(self.model, inputs), targets)
+                    if sync and self._recovery.active:
+                        self._recovery.prepare_step(step_sums + [(loss.detach(), n)])
+                    if prof is not None:
+                        prof.lap("forward")
+                    scaled = loss / accum if accum > 1 else loss
+                    if self.scaler is not None:
+                        scaled = self.scaler.scale(scaled)
+                    scaled.backward()
+            finally:
+                _interrupt.disarm()
             if prof is not None:
                 prof.lap("backward")
             step_loss += loss.detach().to(torch.float64)

@@ -15,6 +15,12 @@ Environment:
   STRATEGY the Trainer's strategy (default: its own choice, "ddp")
   ACCUM, AMP, CLIP  gradient accumulation steps; bf16 autocast; clipping at norm 1 (default: none of them)
   WORKERS  the train loader's worker processes (default 0)
+  SLOW    "rank:at:seconds": that rank's first process sleeps that long before the forward of each module,
+          in its first forward of optimizer step ``at`` only, and writes how many of those sleeps it did
+          to slow-rank<rank>.json once fit returns
+  OWN_URG  set: the script handles SIGURG itself (dptrain then leaves that signal alone)
+  STORM   a rank: its first process sends itself SIGURG (what dptrain run sends to stop a step) every
+          millisecond while it trains
 """
 
 import io
@@ -22,6 +28,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 
 import torch
@@ -95,6 +103,41 @@ def arm(trainer, where: str, at: int) -> None:
         raise SystemExit(f"unknown kill {where!r}")
 
 
+def slow(trainer, rank: int):
+    """SLOW: a forward of many slow modules, once; the list of the sleeps done (None: not this rank)."""
+    if not os.environ.get("SLOW") or GEN:
+        return None
+    who, at, seconds = os.environ["SLOW"].split(":")
+    if int(who) != rank:
+        return None
+    slept, entered = [], []
+
+    def first(module, args):  # the model's own forward pre-hook, before any sleep: counts the attempts
+        if module.training and trainer.global_step + 1 == int(at):
+            entered.append(1)
+
+    def pre(module, args):
+        if module.training and trainer.global_step + 1 == int(at) and len(entered) == 1:
+            slept.append(type(module).__name__)
+            time.sleep(float(seconds))
+    trainer.model.module.register_forward_pre_hook(first)
+    for module in trainer.model.module.modules():
+        module.register_forward_pre_hook(pre)
+    return slept
+
+
+def storm(rank: int) -> None:
+    """STORM: SIGURG at this process every millisecond, from a thread, for the process's life."""
+    if os.environ.get("STORM") != str(rank) or GEN:
+        return
+
+    def send():
+        while True:
+            os.kill(os.getpid(), signal.SIGURG)
+            time.sleep(0.001)
+    threading.Thread(target=send, daemon=True).start()
+
+
 def watch_reads(rank: int) -> None:
     """Record every file torch.load reads inside the checkpoint directory (none may be read by a recovery)."""
     real = torch.load
@@ -142,8 +185,14 @@ def main() -> None:
         if where not in ("init", "after") and int(rank) == world.rank and int(gen) == GEN \
                 and (GEN or not world.restart_count):
             arm(trainer, where, int(at))
+    if os.environ.get("OWN_URG"):
+        signal.signal(signal.SIGURG, lambda *args: None)
+    slowed = slow(trainer, world.rank)
+    storm(world.rank)
     for epochs in os.environ.get("FITS", "").split(",") if os.environ.get("FITS") else [os.environ.get("EPOCHS", "2")]:
         summary = trainer.fit(int(epochs))  # FITS: one fit after the other, each to its number of epochs
+    if slowed is not None:
+        note(f"slow-rank{world.rank}.json", sleeps=len(slowed))
     for spec in filter(None, os.environ.get("KILLS", "").split(";")):
         rank, gen, where, _ = spec.split(":")
         if where == "after" and int(rank) == world.rank and int(gen) == GEN and not world.restart_count:

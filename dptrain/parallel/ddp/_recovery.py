@@ -269,16 +269,18 @@ def leave_group(ddp: Any) -> None:
     ddp.process_group = None
 
 
-def prepare_rejoin(ddp: Any, directory: str | None) -> bool:
-    """``ddp._prepare_rejoin(directory)``: see there."""
-    if ddp._shm_wish is False or not (dist.is_available() and dist.is_initialized()):
+def prepare_rejoin(ddp: Any, directory: str | None, world_size: int | None = None) -> bool:
+    """``ddp._prepare_rejoin(directory, world_size)``: see there."""
+    if ddp._shm_wish is False:
         return False
-    if str(dist.get_backend()) == "nccl":  # GPUs: no shared memory to make
-        return False
+    if world_size is None:
+        if not (dist.is_available() and dist.is_initialized()) or str(dist.get_backend()) == "nccl":
+            return False  # (GPUs under NCCL: no shared memory to make)
+        world_size = dist.get_world_size()
     params = ddp._reducer_params()[0]
-    if not params:
+    if not params:  # (and GPU parameters: ahead_for_parameters makes nothing for them)
         return False
-    return _shm.ahead_for_parameters(params, dist.get_world_size(), directory)
+    return _shm.ahead_for_parameters(params, world_size, directory)
 
 
 def rejoin(ddp: Any, layout: dict | None, verify: bool) -> None:

@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from dptrain import _heartbeat, comm
+from dptrain import _heartbeat, _interrupt, comm
 from dptrain._shm import ShmGroup
 from dptrain.parallel.ddp import _reducer_errors as errors
 from dptrain.parallel.ddp._buckets import (
@@ -97,6 +97,7 @@ __all__ = ["Reducer", "BackwardPhase", "GradBucket", "compute_bucket_assignment"
 ONE_PASS_MIN_NUMEL = {"cpu": 1 << 16, None: 1 << 20}
 
 _STRIDED = torch.strided
+_PENDING = _interrupt.PENDING  # read once per gradient: a list, so no call and no attribute lookup
 
 
 class BackwardPhase(enum.Enum):
@@ -415,6 +416,8 @@ class Reducer:
         # (see [Note: a bucket at a time]). The common case (a running backward of plain
         # settings, a dense gradient of its bucket's dtype, queued for the bucket's one copy)
         # is done here inline; anything else goes the general way.
+        if _PENDING[0]:  # the launcher said a peer died (see [Note: stopping a step at once] in dptrain._interrupt)
+            _interrupt.check()
         if self.shm is not None and self.shm.broken is not None:
             self._fail_fast()
         if self._plain_backward and self.phase is BackwardPhase.RUNNING:

@@ -601,9 +601,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         _recovery.leave_group(self)
 
-    def _prepare_rejoin(self, directory: str | None) -> bool:
-        """On the re-formed group, before :meth:`_rejoin`, while waiting for the other ranks: make
-        what the rejoin will most likely need (no collective; call it on one rank or several).
+    def _prepare_rejoin(self, directory: str | None, world_size: int | None = None) -> bool:
+        """Before :meth:`_rejoin`, while waiting for the other ranks: make what the rejoin will most
+        likely need (no collective; call it on one rank or several).
 
         With shared memory on one node, that is the segment of the new reducer, made in
         ``directory`` -- a private folder on /dev/shm that outlives this process, such as
@@ -614,6 +614,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         Args:
             directory: where the segment may be made; None, or a folder not on /dev/shm:
                 nothing is made.
+            world_size: the ranks of the group to come (default None: those of the current
+                default group, which must exist). Given, nothing asks the process group: it
+                may be being re-formed on another thread meanwhile.
 
         Returns:
             True when something was made, else False (the rejoin does it all, as without).
@@ -622,7 +625,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             >>> ddp._prepare_rejoin(os.environ["DPTRAIN_RECOVERY_DIR"])   # doctest: +SKIP
             >>> ddp._rejoin(layout)                                       # on every rank
         """
-        return _recovery.prepare_rejoin(self, directory)
+        return _recovery.prepare_rejoin(self, directory, world_size)
 
     def _rejoin(self, layout: dict | None = None, *, verify: bool = True) -> None:
         """Move onto the re-formed default process group; collective: every rank calls it.
