@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import torch
 
-from dptrain.train import recovery
+from dptrain.train import _transfer as transfer
 from tests._dist import run_ranks
 
 def _state(rank: int) -> dict:
@@ -28,10 +28,10 @@ def _state(rank: int) -> dict:
 
 def _transfer(rank, folder, one_node, unmappable):
     if rank in unmappable:
-        recovery._map_state_file = lambda path, nbytes: None
-    packed = recovery._pack_state(_state(rank), folder) if rank == 0 else None
+        transfer.map_state_file = lambda path, nbytes: None
+    packed = transfer.pack_state(_state(rank), folder) if rank == 0 else None
     made = os.listdir(folder)
-    got, route = recovery._broadcast_state(packed, 0, rank, one_node)
+    got, route = transfer.broadcast_state(packed, 0, rank, one_node)
     want = _state(rank)
     same = (torch.equal(got["model"]["w"], want["model"]["w"]) and torch.equal(got["model"]["b"], want["model"]["b"])
             and torch.equal(got["optimizer"]["state"][0]["momentum_buffer"],
@@ -59,7 +59,7 @@ def test_the_state_reaches_every_member_bit_for_bit_and_leaves_no_file(one_node,
     for rank, (made, same, moved, after, how) in enumerate(results):
         assert how == route, rank
         if rank == 0:
-            assert len(made) == 1 and made[0].startswith(recovery.STATE_FILE_PREFIX)  # packed into the file
+            assert len(made) == 1 and made[0].startswith(transfer.STATE_FILE_PREFIX)  # packed into the file
         assert same, rank
         assert moved == pytest.approx(float(rank))
         assert after == []
@@ -67,19 +67,49 @@ def test_the_state_reaches_every_member_bit_for_bit_and_leaves_no_file(one_node,
 
 
 def test_the_state_is_packed_into_a_file_only_on_dev_shm_with_shared_memory_on(tmp_path, monkeypatch):
-    monkeypatch.setattr(recovery, "_transfer_device", lambda: torch.device("cpu"))  # no process group here
+    monkeypatch.setattr(transfer, "transfer_device", lambda: torch.device("cpu"))  # no process group here
     monkeypatch.setenv("DPTRAIN_SHM", "1")
-    assert recovery._pack_state(_state(0), str(tmp_path))[4] is None  # on disk: sent over the group
+    assert transfer.pack_state(_state(0), str(tmp_path))[4] is None  # on disk: sent over the group
     assert list(tmp_path.iterdir()) == []
     folder = tempfile.mkdtemp(prefix="dptrain_test_state_", dir="/dev/shm")
     try:
         monkeypatch.setenv("DPTRAIN_SHM", "0")
-        assert recovery._pack_state(_state(0), folder)[4] is None
+        assert transfer.pack_state(_state(0), folder)[4] is None
         monkeypatch.setenv("DPTRAIN_SHM", "1")
-        state, skeleton, meta, buffer, path = recovery._pack_state(_state(0), folder)
+        state, skeleton, meta, buffer, path = transfer.pack_state(_state(0), folder)
         assert os.path.dirname(path) == folder and os.stat(path).st_size == buffer.numel()
         assert oct(os.stat(path).st_mode & 0o777) == oct(0o600)
         with open(path, "rb") as f:
             assert f.read() == bytes(buffer.numpy())  # the buffer is the file
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_state_packed_on_a_thread_is_the_state_packed_at_once_and_a_discarded_one_leaves_no_file(monkeypatch):
+    # A survivor packs on a thread while it re-forms the group (see _transfer.PackedEarly).
+    class DDP:  # what the thread asks of the model: the new reducer's segment, for a given world size
+        def __init__(self):
+            self.asked = []
+
+        def _prepare_rejoin(self, directory, world_size):
+            self.asked.append((directory, world_size))
+            return False
+
+    monkeypatch.setenv("DPTRAIN_SHM", "1")
+    folder = tempfile.mkdtemp(prefix="dptrain_test_state_", dir="/dev/shm")
+    try:
+        ddp = DDP()
+        early = transfer.PackedEarly(lambda: _state(0), folder, torch.device("cpu"), ddp, 3)
+        state, skeleton, meta, buffer, path = early.take()
+        assert early.take() is None and ddp.asked == [(folder, 3)]  # taken once
+        got = bytes(buffer.numpy())
+        transfer.remove(path)
+        now = transfer.pack_state(_state(0), folder, torch.device("cpu"))
+        assert got == bytes(now[3].numpy()) and skeleton == now[1]
+        transfer.remove(now[4])
+        transfer.PackedEarly(lambda: _state(0), folder, torch.device("cpu"), ddp, 3).discard()
+        assert os.listdir(folder) == []
+        broken = transfer.PackedEarly(lambda: 1 / 0, folder, torch.device("cpu"), ddp, 3)
+        assert broken.take() is None  # the main thread packs instead
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -42,17 +42,16 @@ import contextlib
 import glob
 import os
 import sys
-import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dptrain import _heartbeat, _interrupt, _regroup, _settings, _tensors, comm
+from dptrain import _heartbeat, _interrupt, _regroup, _settings, comm
 from dptrain._errors import CollectiveError
-from dptrain.train import resize
+from dptrain.train import _transfer, resize
 
 __all__ = ["InPlaceRecovery", "in_place_requested", "is_replacement", "FALLBACK_EXIT"]
 
@@ -143,162 +142,6 @@ def _forget(exc: BaseException) -> None:
         if seen.__traceback__ is not None:
             traceback.clear_frames(seen.__traceback__)
         seen = seen.__cause__ or seen.__context__
-
-
-def _transfer_device() -> torch.device:
-    """Where the state travels: the rank's GPU under NCCL, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def _pack_state(state: dict, directory: str | None = None, device: torch.device | None = None) -> tuple:
-    """``state`` ready to send: itself, its structure with slots for its tensors, those tensors'
-    bytes in one buffer (see ``dptrain._tensors``; pickled whole, the weights and optimizer state
-    took 5x as long to send), and the path of the file in ``directory`` that the buffer is
-    (see [Note: the state through /dev/shm]), or None. ``device``: where it travels (default:
-    :func:`_transfer_device`, which asks the process group)."""
-    device = device if device is not None else _transfer_device()
-    skeleton, tensors = _tensors.split_tensors(state)
-    made: list = []
-    allocate = (lambda nbytes: _state_file(nbytes, directory, made)) if device.type == "cpu" else None
-    buffer, meta = _tensors.pack(tensors, device, allocate)
-    return state, skeleton, meta, buffer, made[0] if made else None
-
-
-# [Note: the state through /dev/shm]
-# On one node the state need not cross the process group's sockets. The source packs it into a
-# file in the launcher's recovery folder on /dev/shm (memory; 0700; removed by the launcher
-# however the job ends) -- while it waits for the replacement, when it packs ahead -- and, when
-# every member is on its node, sends only the file's name with the state's structure. A member
-# maps the file privately (copy-on-write: nothing it does reaches the file or another member):
-# the weights are copied from there into its parameters, and the rest (optimizer state and
-# the like, which live on) into memory of its own. Over gloo the same 28 MB took 40-50 ms on
-# two CPU ranks, most of it faulting in the receiving buffer. Then every member says whether it
-# could map the file, and where any could not, the buffer goes over the process group as
-# before. The name is removed by every member once all have mapped it; a failure on the way
-# leaves it to the source's next recovery, or to the launcher.
-STATE_FILE_PREFIX = "state-"
-
-
-def _state_file(nbytes: int, directory: str | None, made: list) -> torch.Tensor | None:
-    """A writable buffer of ``nbytes`` that is a new file in ``directory`` when that is on /dev/shm
-    (its path appended to ``made``), or None."""
-    from dptrain import _shm
-
-    prefix = f"{STATE_FILE_PREFIX}{os.getpid()}-"
-    if directory:
-        for old in glob.glob(os.path.join(directory, prefix + "*")):
-            _remove(old)  # an earlier recovery's that a failure left behind
-    file = _shm.memory_file(directory, prefix, nbytes, populate=False)  # packing writes every page anyway
-    if file is None:  # the process group carries the state instead
-        return None
-    path, fd, mm = file
-    os.close(fd)  # the mapping keeps the file
-    made.append(path)
-    return torch.frombuffer(mm, dtype=torch.uint8)
-
-
-def _map_state_file(path: str, nbytes: int) -> torch.Tensor | None:
-    """The source's file, mapped copy-on-write; None when it cannot be (then the process group carries it)."""
-    import mmap
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_size != nbytes:
-            return None
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    return torch.frombuffer(mm, dtype=torch.uint8)
-
-
-class _PackedEarly:
-    """The likely source's state packed on a thread while the main thread re-forms the group.
-
-    A survivor stops its step as soon as its launcher signals the failure (see [Note: stopping a
-    step at once] in :mod:`dptrain._interrupt`), so it re-forms the group while the replacement
-    is still starting; packing the state and making the new reducer's shared memory (50-80 ms
-    for a model of 14 MiB on a 2-core machine, most of it the kernel handing out fresh pages)
-    then decided when the exchange could start. Re-forming is mostly waiting on sockets and the
-    store, so both overlap it. The thread reads only what the main thread leaves alone until
-    :meth:`take`: the weights and optimizer state at the last commit (the failed step's
-    leftovers were undone by ``_let_go`` before it starts) and plain attributes. It asks
-    nothing of the process group, which the main thread is replacing (``device`` and
-    ``world_size`` are given). An error leaves the packing to the main thread, as before.
-    """
-
-    def __init__(self, shared_state: Callable[[], dict], directory: str | None, device: torch.device, model: Any,
-                 world_size: int) -> None:
-        self._packed: tuple | None = None
-        self._thread = threading.Thread(target=self._run, args=(shared_state, directory, device, model, world_size),
-                                        name="dptrain-pack-state", daemon=True)
-        self._thread.start()
-
-    def _run(self, shared_state: Callable[[], dict], directory: str | None, device: torch.device, model: Any,
-             world_size: int) -> None:
-        with contextlib.suppress(Exception):
-            self._packed = _pack_state(shared_state(), directory, device)
-            model._prepare_rejoin(directory, world_size)
-
-    def take(self) -> tuple | None:
-        """What :func:`_pack_state` returned (None when it failed); waits for the thread."""
-        self._thread.join()
-        packed, self._packed = self._packed, None
-        return packed
-
-    def discard(self) -> None:
-        """Not used after all (the recovery starts over): its file goes."""
-        packed = self.take()
-        if packed is not None:
-            _remove(packed[4])
-
-
-def _remove(path: str | None) -> None:
-    if path:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-
-
-def _broadcast_state(packed: tuple | None, src: int, me: int, one_node: bool) -> tuple[dict, str]:
-    """The state that rank ``src`` packed (:func:`_pack_state`; None on the others), on every rank, and
-    how it came ("through /dev/shm" or "over the process group"); ``one_node``: every member is on the
-    source's node (see [Note: the state through /dev/shm])."""
-    buffer = None
-    if me == src:
-        state, skeleton, meta, buffer, path = packed
-        path = path if one_node else None
-        comm.broadcast_object((skeleton, meta, path), src=src)
-    else:
-        skeleton, meta, path = comm.broadcast_object(None, src=src)
-    try:
-        if path is not None:
-            if me != src:
-                buffer = _map_state_file(path, _tensors.packed_nbytes(meta))
-            ok = torch.tensor([int(buffer is not None)], dtype=torch.int32)
-            comm.all_reduce(ok, op="min")
-            if not ok.item():
-                path = None
-        if path is None:
-            if me != src:
-                buffer = _tensors.empty_for(meta, _transfer_device())
-            comm.broadcast(buffer, src=src)
-    finally:
-        _remove(path)  # every member has it mapped by now (or it was not used)
-        if me == src:
-            _remove(packed[4])
-    how = "over the process group" if path is None else "through /dev/shm"
-    if me == src:
-        return state, how
-    shared = _tensors.join_tensors(skeleton, _tensors.unpack(buffer, meta))
-    if path is not None:
-        # Only the weights are copied out at once (into the parameters); what else lives on gets
-        # memory of its own instead of copy-on-write pages of the mapping (see the Note).
-        shared = {k: v if k == "model" else _tensors.map_tensors(v, torch.clone) for k, v in shared.items()}
-    return shared, how
 
 
 def _read_snapshots(directory: str, rank: int) -> dict[int, "_Snapshot"]:
@@ -659,16 +502,17 @@ class InPlaceRecovery:
             state["scaler"] = t.scaler.state_dict()
         return state
 
-    def _pack_early(self, generation: int, failed_at: float | None) -> "_PackedEarly | None":
+    def _pack_early(self, generation: int, failed_at: float | None) -> "_transfer.PackedEarly | None":
         """A survivor that will most likely send the state starts packing it, on a thread, while the
-        group is re-formed (see :class:`_PackedEarly`); None for the others."""
+        group is re-formed (see :class:`_transfer.PackedEarly`); None for the others."""
         if failed_at is None or not self._likely_source(generation):
             return None
         t = self.trainer
-        return _PackedEarly(self._shared_state, self.directory, _transfer_device(), t.model, t.world.world_size)
+        return _transfer.PackedEarly(self._shared_state, self.directory, _transfer.transfer_device(), t.model,
+                                     t.world.world_size)
 
     def _exchange_and_restore(self, generation: int, failed_at: float | None,
-                              early: "_PackedEarly | None" = None) -> None:
+                              early: "_transfer.PackedEarly | None" = None) -> None:
         from dptrain import env
 
         t = self.trainer
@@ -680,7 +524,7 @@ class InPlaceRecovery:
         # Packed on a thread during the re-forming, mostly (``early``).
         ahead = early.take() if early is not None else None
         if ahead is None and failed_at is not None and self._likely_source(generation):
-            ahead = _pack_state(self._shared_state(), self.directory)
+            ahead = _transfer.pack_state(self._shared_state(), self.directory)
             # And makes the new reducer's shared memory (see DistributedDataParallel._prepare_rejoin).
             t.model._prepare_rejoin(self.directory)
         statuses = comm.all_gather_object(self._status(failed_at, snapshots, newcomer))
@@ -697,14 +541,14 @@ class InPlaceRecovery:
             self._fall_back(f"rank(s) {lacking} have no record of their RNG streams and buffers at commit {target}, "
                             f"so the run could not go on bit for bit")
         if t.rank != source and ahead is not None:
-            _remove(ahead[4])
+            _transfer.remove(ahead[4])
             ahead = None  # a wrong guess: its buffer goes before another one is received
         started = time.perf_counter()
         if t.rank == source and ahead is None:
-            ahead = _pack_state(self._shared_state(), self.directory)
+            ahead = _transfer.pack_state(self._shared_state(), self.directory)
         source_node = next(s["node"] for s in statuses if s["rank"] == source)
         one_node = all(s["node"] == source_node for s in statuses)
-        shared, how = _broadcast_state(ahead, source, t.rank, one_node)
+        shared, how = _transfer.broadcast_state(ahead, source, t.rank, one_node)
         del ahead
         transfer_s = time.perf_counter() - started
         if shared["ddp_layout"] is None:
