@@ -19,7 +19,7 @@ since it runs between any two bytecodes of the main thread, in the middle of tor
 context managers (autocast, ``no_grad``, saved-tensor hooks) as readily as anywhere.
 
 The note is acted on only at points where an exception is an ordinary one: a forward
-pre-hook of every module of the model (:func:`watch_modules`) and DDP's gradient hook,
+pre-hook of the model and its blocks (:func:`watch_modules`) and DDP's gradient hook,
 and only while the Trainer has :func:`arm`\\ ed them -- from the start of a training step's
 forward to the end of its backward, never in the optimizer step, an evaluation or a
 callback. There :func:`check` asks the store whether a generation newer than this rank's is
@@ -41,9 +41,12 @@ the store): they notice at their next collective, as before.
 
 from __future__ import annotations
 
+import collections
 import signal
 import threading
 from typing import Any
+
+from torch import nn
 
 from dptrain import _heartbeat, _regroup
 from dptrain._errors import CollectiveError
@@ -134,13 +137,28 @@ def _forward_pre_hook(module: Any, args: Any) -> None:
         check()
 
 
-def watch_modules(model: Any) -> list:
-    """Check for a noted signal before the forward of each module of ``model``; the hooks' handles.
+#: How many of a model's modules get the check: a module with a forward pre-hook leaves torch's fast
+#: path, about 3 us more per call on CPU, so the check stops at the model's blocks.
+MAX_WATCHED = 32
 
-    None (an empty list) where dynamo compiled a part of it: a hook that reads a flag would be traced and guarded,
-    and the flag's change would make it compile again.
+
+def watch_modules(model: Any) -> list:
+    """Check for a noted signal before the forward of ``model`` and of its modules, breadth first up to
+    :data:`MAX_WATCHED` of them (the blocks that a forward goes through: stopping within one is soon
+    enough); the hooks' handles.
+
+    None (an empty list) where dynamo compiled a part of it: a hook that reads a flag would be traced
+    and guarded, and the flag's change would make it compile again.
     """
-    modules = list(model.modules())
-    if any(type(m).__name__ == "OptimizedModule" or hasattr(m, "_orig_mod") for m in modules):
+    if any(type(m).__name__ == "OptimizedModule" or hasattr(m, "_orig_mod") for m in model.modules()):
         return []
-    return [m.register_forward_pre_hook(_forward_pre_hook) for m in modules]
+    watched, seen, queue = [], {id(model)}, collections.deque([model])
+    while queue and len(watched) < MAX_WATCHED:
+        module = queue.popleft()
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # containers that are never called
+            watched.append(module)
+        for child in module.children():  # (a module shared by two parents is watched once)
+            if id(child) not in seen:
+                seen.add(id(child))
+                queue.append(child)
+    return [m.register_forward_pre_hook(_forward_pre_hook) for m in watched]

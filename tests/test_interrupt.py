@@ -140,3 +140,16 @@ def test_no_hooks_on_a_compiled_model(fresh):
     compiled = torch.compile(model)
     assert _interrupt.watch_modules(compiled) == []
     assert not model[0]._forward_pre_hooks
+
+
+def test_a_deep_model_is_watched_at_its_blocks_only(fresh):
+    # A hooked module leaves torch's fast path: the check stops at the first MAX_WATCHED modules, breadth first.
+    blocks = [nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)]) for _ in range(10)]
+    model = nn.Sequential(nn.ModuleList(blocks), *blocks)
+    handles = _interrupt.watch_modules(model)
+    assert len(handles) == _interrupt.MAX_WATCHED == 32
+    hooked = [m for m in model.modules() if m._forward_pre_hooks]
+    assert model in hooked and all(b in hooked for b in blocks) and not model[0]._forward_pre_hooks
+    assert all(len(m._forward_pre_hooks) == 1 for m in hooked)  # a block in two parents: hooked once
+    for h in handles:
+        h.remove()
