@@ -25,7 +25,10 @@ itself costs against the uninterrupted run of the same configuration.
 The victim kills itself only in its first process (DPTRAIN_GENERATION and
 TORCHELASTIC_RESTART_COUNT both 0). Per variant: time lost per failure (the variant's wall
 time minus its baseline's in the same round: median, min, max), the time from the kill until
-every rank finished the killed step, steps done twice, processes started, bytes read from
+every rank finished the killed step, the time lost in the run (from the last step every rank
+had finished before the kill to every rank finishing the second step after it, minus two
+median steps of that run: the failure's cost without the seconds by which whole runs of the
+same job differ), steps done twice, processes started, bytes read from
 checkpoint files (every ``torch.load`` of a file under the checkpoint directory, at the
 file's size; goal 0 for c and d), the job's median step time, and whether the final weights
 of every rank equal the uninterrupted run's bitwise.
@@ -315,11 +318,32 @@ def parse_logs(out: str, ckpt: str, args) -> dict:
     if kill_t is not None:  # until every rank finished the killed step (or a later one) after the kill
         firsts = [min((t for n, t in s if n >= kill_at and t >= kill_t), default=None) for s in steps_per_rank.values()]
         res["kill_to_step"] = max(firsts) - kill_t if firsts and None not in firsts else None
+        res["lost_in_run"] = lost_in_run(steps_per_rank, kill_t, res["step"])
         later = [p for p in procs if p["t0"] >= kill_t]  # replacements / restarted ranks
         for key, what in (("t0", "started"), ("init", "init"), ("fit", "fit")):
             times = [p[key] for p in later if key in p]
             res[f"new_{what}"] = max(times) - kill_t if times else None
     return res
+
+
+def lost_in_run(steps_per_rank: dict[int, list[tuple[int, float]]], kill_t: float, step: float | None) -> float | None:
+    """The failure's cost read off the run itself, free of the seconds by which whole runs differ: from
+    the last step every rank had finished before the kill (n) to the first time after the kill that
+    every rank had finished step n + 2 (the killed step and the one after it, where a replacement's
+    first step shows), minus two median steps. An uninterrupted run takes two median steps there,
+    wherever in a step the kill lands. None when the run did not get that far."""
+    if not step or not steps_per_rank:
+        return None
+    ranks = list(steps_per_rank.values())
+    common = set.intersection(*({m for m, t in s if t <= kill_t} for s in ranks))
+    if not common:
+        return None
+    n = max(common)
+    start = max(max(t for m, t in s if m == n and t <= kill_t) for s in ranks)
+    after = [min((t for m, t in s if m == n + 2 and t > kill_t), default=None) for s in ranks]
+    if None in after:
+        return None
+    return max(after) - start - 2 * step
 
 
 def same_weights(out: str, ref_out: str, nproc: int) -> bool | None:
@@ -439,7 +463,8 @@ def main() -> int:
                               f"init done (dptrain.init, torchft: Manager) +{fmt(res.get('new_init'))} s, fit started "
                               f"+{fmt(res.get('new_fit'))} s, every rank done with step {res['kill_at']} "
                               f"+{fmt(res.get('kill_to_step'))} s; other files read by torch.load "
-                              f"{res['other_bytes'] / 1e3:.0f} kB", flush=True)
+                              f"{res['other_bytes'] / 1e3:.0f} kB; time lost in the run "
+                              f"{fmt(res.get('lost_in_run'), '+.3f')} s", flush=True)
                     if res.get("waited") is not None:
                         print(f"      in-place recovery's log: survivors waited {res['waited']:.2f} s, state transfer "
                               f"{fmt(res.get('transfer'), '.3f')} s ({fmt(res.get('transfer_mib'), '.2f')} MiB)",
@@ -451,11 +476,13 @@ def main() -> int:
     print(f"\n{args.pairs} round(s), seed {args.seed}, {time.monotonic() - t_start:.0f} s; load average "
           f"{os.getloadavg()[0]:.1f}\n")
     print("| variant | ok runs | time lost per failure (wall - baseline), median (min, max) s "
-          "| kill -> killed step done on every rank, median (min, max) s | steps redone | processes started "
+          "| kill -> killed step done on every rank, median (min, max) s "
+          "| time lost in the run (two steps from the kill - 2 median steps), median (min, max) s "
+          "| steps redone | processes started "
           "| survivors waited / state transfer (in-place log), median s | checkpoint bytes read, median (max) "
           "| other files torch.load read, median | median step (ms) | final weights bitwise = u (e: = e0) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    med_lost, med_k2s = {}, {}
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    med_lost, med_k2s, med_run = {}, {}, {}
 
     def spread(xs: list[float], sign: str = "") -> str:
         return f"{statistics.median(xs):{sign}.2f} ({min(xs):{sign}.2f}, {max(xs):{sign}.2f})" if xs else "-"
@@ -465,6 +492,7 @@ def main() -> int:
         ok = [r for r in rows if not r.get("error")]
         lost = [r["lost"] for r in ok if r.get("lost") is not None]
         k2s = [r["kill_to_step"] for r in ok if r.get("kill_to_step") is not None]
+        in_run = [r["lost_in_run"] for r in ok if r.get("lost_in_run") is not None]
         red = [r["redone"] for r in ok if r["redone"] is not None]
         steps = [r["step"] for r in ok if r["step"] is not None]
         byts = [r["ckpt_bytes"] for r in ok]
@@ -474,8 +502,9 @@ def main() -> int:
         moved = [r["transfer"] for r in ok if r.get("transfer") is not None]
         med_lost[v] = statistics.median(lost) if lost else None
         med_k2s[v] = statistics.median(k2s) if k2s else None
+        med_run[v] = statistics.median(in_run) if in_run else None
         print(f"| {VARIANTS[v][0]} | {len(ok)}/{len(rows)} | {spread(lost, '+') if VARIANTS[v][2] else '-'} "
-              f"| {spread(k2s)} | {fmt(statistics.median(red) if red else None, 'g')} "
+              f"| {spread(k2s)} | {spread(in_run, '+')} | {fmt(statistics.median(red) if red else None, 'g')} "
               f"| {fmt(statistics.median([r['procs'] for r in ok]) if ok else None, 'g')} "
               f"| {fmt(statistics.median(waited) if waited else None)} / "
               f"{fmt(statistics.median(moved) if moved else None, '.3f')} "
@@ -499,7 +528,13 @@ def main() -> int:
         return ", ".join(parts) or "n/a"
 
     print(f"\nratios of medians: time lost per failure {ratios(med_lost)}; kill -> killed step done {ratios(med_k2s)}"
+          f"; time lost in the run {ratios(med_run)}"
           + (f" (goal: c, d <= 0.1 x b; d <= 2 steps = {2 * step_u * 1e3:.0f} ms + state transfer)" if step_u else ""))
+    transfers = [r["transfer"] for r in results.get("d", []) if not r.get("error") and r.get("transfer") is not None]
+    if med_run.get("d") is not None and step_u:
+        goal = 2 * step_u + (statistics.median(transfers) if transfers else 0.0)
+        print(f"d's time lost in the run: median {med_run['d'] * 1e3:.0f} ms; goal 2 steps + state transfer = "
+              f"{goal * 1e3:.0f} ms: {'met' if med_run['d'] <= goal else 'not met'}")
     # The failure's own cost where the uninterrupted run of the same configuration differs from u
     # (the in-place variants fork their ranks from one import per node; a spare is one more process).
     for v, v0 in (("c", "c0"), ("d", "d0")):

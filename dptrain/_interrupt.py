@@ -9,10 +9,11 @@ on a large model seconds). All that compute was thrown away, it kept a core busy
 replacement needed to start, and the group could not be re-formed before it ended.
 
 The launcher sees the death within a few ms (see [Note: a process that is dying] in
-:mod:`dptrain._proc`); once it has announced the new generation and started the replacement,
-it sends :data:`SIGNAL` (``SIGURG``) to the survivors of its node. ``SIGURG`` is ignored by
-default, so a process that never installed a handler (not a Trainer, not yet started, a
-shell in between) is unaffected -- the reason it was chosen. A rank whose Trainer (or
+:mod:`dptrain._proc`); as soon as it has announced the new generation (before it starts the
+replacement, so that they re-form the group while it starts) it sends :data:`SIGNAL` (``SIGURG``)
+to the survivors of its node. ``SIGURG`` is ignored by default, so a process that never
+installed a handler (not a Trainer, not yet started, a shell in between) is unaffected -- the
+reason it was chosen. A rank whose Trainer (or
 :class:`dptrain.RecoverableLoop`) recovers in place installs :func:`install`'s handler,
 which does one thing: it notes that a signal came. Nothing is raised from the handler,
 since it runs between any two bytecodes of the main thread, in the middle of torch's own

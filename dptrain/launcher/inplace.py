@@ -361,13 +361,13 @@ class InPlaceRecovery:
         entry = {"rank": failed.rank, "why": why, "pid": failed.proc.pid, "time": noticed,
                  "spare": spare is not None and not forked, "forked": forked}
         job.store.set(recovery_key(attempt, f"generation/{generation}"), json.dumps(entry))
+        self._stop_steps(failed)  # as soon as the generation is announced: they re-form while the replacement starts
         environ = dict(failed.environ, DPTRAIN_GENERATION=str(generation))
         if spare is not None and not self._assign(spare, environ):
             spare = None
         new = RankProcess(failed.rank, failed.local_rank, failed.cmd, environ, failed.show, job.console, failed.logs,
                           proc=spare)
         job.ranks[job.ranks.index(failed)] = new
-        self._stop_steps(new)
         job.janitor.tell("group", new.proc.pid)
         watch.exits.pop(failed.rank, None)  # the rank runs again: its next exit is the replacement's
         self.forget_progress()
@@ -388,12 +388,12 @@ class InPlaceRecovery:
             self._refill = (attempt, generation, time.monotonic())  # see _refill_spares
         return True
 
-    def _stop_steps(self, new: RankProcess) -> None:
-        """Tell this node's other ranks to stop the step they compute, which they would otherwise find
-        out only at its next collective (see [Note: stopping a step at once] in ``dptrain._interrupt``):
-        the generation is announced and the replacement started by now."""
+    def _stop_steps(self, failed: RankProcess) -> None:
+        """Tell this node's ranks other than ``failed`` to stop the step they compute, which they would
+        otherwise find out only at its next collective (see [Note: stopping a step at once] in
+        ``dptrain._interrupt``); the generation is announced by now."""
         for rank in self.job.ranks:
-            if rank is not new and getattr(rank.proc, "returncode", None) is None:  # not reaped: its pid is its own
+            if rank is not failed and getattr(rank.proc, "returncode", None) is None:  # not reaped: its pid is its own
                 with contextlib.suppress(OSError):
                     os.kill(rank.proc.pid, STEP_STOP_SIGNAL)
 
