@@ -9,11 +9,11 @@ on a large model seconds). All that compute was thrown away, it kept a core busy
 replacement needed to start, and the group could not be re-formed before it ended.
 
 The launcher sees the death within a few ms (see [Note: a process that is dying] in
-:mod:`dptrain._proc`); as soon as it has announced the new generation (before it starts the
-replacement, so that they re-form the group while it starts) it sends :data:`SIGNAL` (``SIGURG``)
-to the survivors of its node. ``SIGURG`` is ignored by default, so a process that never
-installed a handler (not a Trainer, not yet started, a shell in between) is unaffected -- the
-reason it was chosen. A rank whose Trainer (or
+:mod:`dptrain._proc`). As soon as it has announced the new generation -- before it starts the
+replacement, so that the survivors re-form the group while it starts -- it sends
+:data:`SIGNAL` (``SIGURG``) to the other ranks of its node. ``SIGURG`` is ignored by default,
+so a process that never installed a handler (not a Trainer, not yet started, a shell in
+between) is unaffected: the reason it was chosen. A rank whose Trainer (or
 :class:`dptrain.RecoverableLoop`) recovers in place installs :func:`install`'s handler,
 which does one thing: it notes that a signal came. Nothing is raised from the handler,
 since it runs between any two bytecodes of the main thread, in the middle of torch's own
@@ -22,12 +22,13 @@ context managers (autocast, ``no_grad``, saved-tensor hooks) as readily as anywh
 The note is acted on only at points where an exception is an ordinary one: a forward
 pre-hook of the model and its blocks (:func:`watch_modules`) and DDP's gradient hook,
 and only while the Trainer has :func:`arm`\\ ed them -- from the start of a training step's
-forward to the end of its backward, never in the optimizer step, an evaluation or a
-callback. There :func:`check` asks the store whether a generation newer than this rank's is
-announced: a stray ``SIGURG`` (sent by anyone, or left over from a recovery this rank joined
-through its collective already) is then forgotten at the cost of one store read, and a real
-one raises :class:`PeerLost`, a :class:`~dptrain.CollectiveError` that the Trainer recovers
-from exactly as from a collective that failed. The step's gradients are discarded and the
+forward to the end of its backward (every micro-batch of an accumulated step), never in the
+optimizer step, an evaluation or a callback; ``RecoverableLoop`` arms its ``step()`` block
+until the optimizer's step begins. There :func:`check` asks the store whether a generation
+newer than this rank's is announced: a stray ``SIGURG`` (sent by anyone, or left over from a
+recovery this rank joined through its collective already) is then forgotten at the cost of
+one store read, and a real one raises :class:`PeerLost`, a :class:`~dptrain.CollectiveError`
+that the Trainer recovers from exactly as from a collective that failed. The step's gradients are discarded and the
 buffers and RNG streams a partial forward touched are restored from the last commit, as
 they are after a failure in the backward.
 

@@ -243,3 +243,15 @@ def test_a_survivor_that_does_not_take_the_signal_recovers_in_place_from_a_step_
     _check(tmp_path / "out", log, uninterrupted[2], kills, tmp_path / "ckpt")
     with open(tmp_path / "out" / "slow-rank0.json") as fh:
         assert json.load(fh)["sleeps"] == 8  # the whole forward: no signal stopped it
+
+
+def test_a_survivor_stopped_in_an_accumulation_micro_batch_under_autocast_recovers_bitwise(tmp_path):
+    # Two micro-batches per step, bf16 autocast: rank 0 is stopped by the signal inside the first,
+    # no_sync micro-batch of step 3 and inside autocast; the whole step is redone from its commit.
+    settings = {"ACCUM": "2", "AMP": "1"}
+    _run(tmp_path / "reference", 2, "", **settings)
+    kills = ["1:0:forward:3"]
+    log = _run(tmp_path / "out", 2, ";".join(kills), None, SLOW="0:3:0.5", **settings)
+    _check(tmp_path / "out", log, _finals(tmp_path / "reference"), kills)
+    with open(tmp_path / "out" / "slow-rank0.json") as fh:
+        assert 1 <= json.load(fh)["sleeps"] <= 2
