@@ -122,12 +122,12 @@ def check() -> None:
     if keys is None:
         return
     try:
-        newest = _regroup.newest_generation(keys, current)
-        said = _regroup.announcement(keys, newest) if newest > current else {}
+        failure = _regroup.failure_after(keys, current)
     except Exception:  # noqa: BLE001 - a store that cannot answer: the next collective tells
         return
-    if newest == current or (said.get("kind") == "resize" and said.get("joining")):
+    if failure is None:
         return
+    newest, said = failure[0], [entry for entry in failure[1] if not entry.get("joining")][-1]
     rank = said.get("rank")
     who = f"rank {rank}" if isinstance(rank, int) else "a peer"
     raise PeerLost(f"{who} {said.get('why') or 'failed'}: dptrain run announced generation {newest} "

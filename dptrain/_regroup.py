@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from dptrain import _heartbeat
 
-__all__ = ["generation_key", "newest_generation", "wait_for_generation", "form", "world_at", "newcomers_ready",
+__all__ = ["generation_key", "newest_generation", "failure_after", "wait_for_generation", "form", "world_at", "newcomers_ready",
            "JobFinished", "FINISHED", "announcement", "prefixed",
            "recording_connections", "cut_connections", "leave_if_broken", "on_leaving"]
 
@@ -117,16 +117,27 @@ def while_waiting(fn: Any) -> None:
         _while_waiting.append(fn)
 
 
+def failure_after(keys: Any, current: int) -> tuple[int, list[dict]] | None:
+    """The newest generation announced after ``current`` and what was said of each since, when one of
+    them is for a failure (a node lost, a rank dead); None when none is newer, or when they only let a
+    node in (its ranks join at a step boundary, not mid-step)."""
+    g = newest_generation(keys, current)
+    if g == current:
+        return None
+    said = [announcement(keys, n) for n in range(current + 1, g + 1)]
+    if all(entry.get("joining") for entry in said):
+        return None
+    return g, said
+
+
 def leave_if_broken(keys: Any, current: int) -> bool:
     """The heartbeat thread's look (see [Note: a peer that goes silent]): when a generation after
     ``current`` is announced for a failure (a node lost, a rank dead), cut the group of an older
     generation; True when it did."""
-    g = newest_generation(keys, current)
-    if g == current:
+    failure = failure_after(keys, current)
+    if failure is None:
         return False
-    said = [announcement(keys, n) for n in range(current + 1, g + 1)]
-    if all(entry.get("joining") for entry in said):  # only letting a node in: the step boundary takes it
-        return False
+    g, said = failure
     with _GROUP_LOCK:
         if _group_generation[0] >= g:
             return False  # the main thread formed that generation's group already

@@ -523,7 +523,7 @@ class InPlaceRecovery:
         # replacement is still starting (the exchange waits for it anyway): off the path from here on.
         # Packed on a thread during the re-forming, mostly (``early``).
         ahead = early.take() if early is not None else None
-        if ahead is None and failed_at is not None and self._likely_source(generation):
+        if early is not None and ahead is None:  # the thread's packing failed: here, then
             ahead = _transfer.pack_state(self._shared_state(), self.directory)
             # And makes the new reducer's shared memory (see DistributedDataParallel._prepare_rejoin).
             t.model._prepare_rejoin(self.directory)
