@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -75,6 +76,14 @@ def main() -> int:
             print(f"\n== pid {os.path.basename(path)[:-4]}")
             for dt, what in shown:
                 print(f"{dt:+.3f} {what}")
+        print("\n== the job's own log (recovery_job.py: script start, init returned, fit started)")
+        for p in sorted(glob.glob(os.path.join(out, "proc-*.log"))):
+            name = os.path.basename(p)[len("proc-"):-len(".log")]
+            for line in open(p):
+                word, _, rest = line.partition(" ")
+                stamp = json.loads(rest)["t0"] if word == "start" else float(rest) if word in ("init", "fit") else None
+                if stamp is not None and t_kill - 0.005 < stamp < t_kill + args.window:
+                    print(f"{stamp - t_kill:+.3f} {name} {word}")
         print("\nevery rank done with step (s after the kill): " + ", ".join(
             f"{s}: {t - t_kill:+.3f}" for s, t in sorted(steps.items()) if t_kill < t < t_kill + args.window))
     return 0

@@ -17,12 +17,18 @@ MIN_TORCH = (2, 4)
 
 def installed() -> tuple[int, int] | None:
     """(major, minor) of the installed torch, from its package metadata; None when unknown
-    (not installed, or a source build without metadata)."""
-    try:
-        parts = metadata.version("torch").split(".")
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
-    except (metadata.PackageNotFoundError, ValueError, IndexError):
-        return None
+    (not installed, or a source build without metadata). Read once per process: the lookup scans
+    every folder of ``sys.path`` (3 ms), and in-place recovery asks on its way to the new group."""
+    if not _FOUND:
+        try:
+            parts = metadata.version("torch").split(".")
+            _FOUND.append((int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)))
+        except (metadata.PackageNotFoundError, ValueError, IndexError):
+            _FOUND.append(None)
+    return _FOUND[0]
+
+
+_FOUND: list = []  # installed()'s answer, once known
 
 
 def older_than(version: tuple[int, int]) -> bool:

@@ -76,6 +76,45 @@ def test_every_collective_matches_its_definition(n):
     assert torch.equal(torch.stack(results[n - 1]["gather"]), torch.stack(values))
 
 
+def _objects_of_every_size(rank):
+    import torch.distributed as dist
+
+    n = dptrain.world_size()
+    slot = comm._OBJECT_SLOT
+    out = {}
+    # Around the one-exchange slot: every pickle fits, one does not, all do not; and empty-ish ones.
+    for name, size in (("tiny", 0), ("fits", slot - 200), ("edge", slot - 8 - 60), ("over", slot + 1),
+                       ("large", 3 * slot)):
+        mine = {"rank": rank, "pad": bytes([rank]) * (size if rank == n - 1 else size // 2)}
+        out[f"all_gather_object/{name}"] = comm.all_gather_object(mine)
+        out[f"broadcast_object/{name}"] = comm.broadcast_object(mine if rank == n - 1 else None, src=n - 1)
+    out["tensor"] = comm.all_gather_object({"t": torch.arange(3.0) + rank})
+    out["none"] = comm.broadcast_object(None, src=0)
+    # A group of the odd ranks: ``src`` is a global rank, as in torch.
+    odd = dist.new_group([r for r in range(n) if r % 2 == 1])
+    if rank % 2 == 1:
+        out["group"] = comm.all_gather_object(("odd", rank), group=odd)
+        out["group_b"] = comm.broadcast_object("from 1" if rank == 1 else None, src=1, group=odd)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_object_collectives_of_every_size_equal_torchs_definition(n):
+    slot = comm._OBJECT_SLOT
+    results = run_ranks(_objects_of_every_size, n)
+    for rank, out in enumerate(results):
+        for name, size in (("tiny", 0), ("fits", slot - 200), ("edge", slot - 8 - 60), ("over", slot + 1),
+                           ("large", 3 * slot)):
+            want = [{"rank": r, "pad": bytes([r]) * (size if r == n - 1 else size // 2)} for r in range(n)]
+            assert out[f"all_gather_object/{name}"] == want, name
+            assert out[f"broadcast_object/{name}"] == want[n - 1], name
+        assert [d["t"].tolist() for d in out["tensor"]] == [[r, r + 1.0, r + 2.0] for r in range(n)]
+        assert out["none"] is None
+        if rank % 2 == 1:
+            assert out["group"] == [("odd", r) for r in range(n) if r % 2 == 1]
+            assert out["group_b"] == "from 1"
+
+
 def test_collectives_without_process_group():
     assert not comm.is_distributed()
     t = torch.ones(3)

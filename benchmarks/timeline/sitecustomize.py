@@ -22,24 +22,32 @@ import time
 #: module -> its functions, or {class: its methods}, to time.
 WATCHED = {
     "dptrain.env": ["init", "_reform"],
+    "dptrain._exit": ["settle_before_destroy"],
+    "dptrain._interrupt": ["_on_signal", "check"],
+    "dptrain._shm.group": ["abort_all", "close_all"],
     "dptrain.comm": ["all_gather_object", "broadcast_object", "broadcast", "barrier"],
-    "dptrain._regroup": ["form", "wait_for_generation"],
+    "dptrain._regroup": ["form", "wait_for_generation", "cut_connections"],
     "dptrain._shm.segment": ["open_segment", "_create", "_attach"],
     "dptrain.train._transfer": ["pack_state", "broadcast_state"],
-    "dptrain.train.recovery": [{"InPlaceRecovery": ["recover", "join", "_exchange_and_restore", "_restore"]}],
+    "dptrain.train.recovery": [{"InPlaceRecovery": ["recover", "join", "_exchange_and_restore", "_restore", "_let_go",
+                                                        "_drop_step", "_pack_early", "commit", "prepare_step"]}],
     "dptrain.train.trainer": ["check_equal_batches", {"Trainer": ["__init__", "fit", "_after_micro_batches"]}],
     "dptrain.train.state": [{"TrainState": ["begin_epoch"]}],
-    "dptrain.parallel.ddp.api": [{"DistributedDataParallel": ["__init__", "_rejoin"]}],
+    "dptrain.parallel.ddp.api": [{"DistributedDataParallel": ["__init__", "_rejoin", "_leave_group"]}],
+    "dptrain.launcher.inplace": [{"InPlaceRecovery": ["_replace", "_blocker", "_bury", "_stop_steps", "_assign"]}],
+    "dptrain.launcher.spare": ["run_task", "_become", "join_to_the_end"],
 }
 
 
 def _install(folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
-    out = open(os.path.join(folder, f"{os.getpid()}.log"), "a", buffering=1)
+    out = [None, None]  # the pid the file was opened for, the file: a forked child (a spare, a rank) opens its own
     depth = threading.local()
 
     def log(line: str) -> None:
-        out.write(f"{time.time():.4f} {line}\n")
+        if out[0] != os.getpid():
+            out[:] = [os.getpid(), open(os.path.join(folder, f"{os.getpid()}.log"), "a", buffering=1)]
+        out[1].write(f"{time.time():.4f} {line}\n")
 
     def timed(fn, name):
         @functools.wraps(fn)

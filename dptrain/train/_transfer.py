@@ -1,6 +1,6 @@
 """The state from a live rank to the others, for in-place recovery (see [Note: in-place recovery]
 in :mod:`dptrain.train.recovery`): packed into one buffer, sent over the process group or, on one
-node, through a file in ``/dev/shm``, and unpacked; packed on a thread while the group is re-formed.
+node, through a file in ``/dev/shm``, and unpacked; packed on a thread while the replacement starts.
 """
 
 from __future__ import annotations
@@ -92,18 +92,23 @@ def map_state_file(path: str, nbytes: int) -> torch.Tensor | None:
 
 
 class PackedEarly:
-    """The likely source's state packed on a thread while the main thread re-forms the group.
+    """The likely source's state packed on a thread while the replacement still starts.
 
     A survivor stops its step as soon as its launcher signals the failure (see [Note: stopping a
-    step at once] in :mod:`dptrain._interrupt`), so it re-forms the group while the replacement
-    is still starting; packing the state and making the new reducer's shared memory (50-80 ms
-    for a model of 14 MiB on a 2-core machine, most of it the kernel handing out fresh pages)
-    then decided when the exchange could start. Re-forming is mostly waiting on sockets and the
-    store, so both overlap it. The thread reads only what the main thread leaves alone until
-    :meth:`take`: the weights and optimizer state at the last commit (the failed step's
-    leftovers were undone by ``_let_go`` before it starts) and plain attributes. It asks
-    nothing of the process group, which the main thread is replacing (``device`` and
-    ``world_size`` are given). An error leaves the packing to the main thread, as before.
+    step at once] in :mod:`dptrain._interrupt`) and re-forms the group while the replacement
+    starts; the replacement then runs its script up to the Trainer (data, model: 45 ms for the
+    benchmark's job, seconds for a large one) while the survivor waits in the exchange. Packing
+    the state and making the new reducer's shared memory (30-50 ms for a model of 14 MiB on a
+    2-core machine, most of it the kernel handing out fresh pages) fits in that wait, on a thread
+    started once the group is formed. Not earlier: packing during the re-forming took the GIL and
+    a core from the group's rendezvous, which is what the replacement's ``dptrain.init`` waits
+    for (the group formed 15-25 ms later, and everything after it with it).
+
+    The thread reads only what the main thread leaves alone until :meth:`take`: the weights and
+    optimizer state at the last commit (the failed step's leftovers were undone by ``_let_go``)
+    and plain attributes. It asks nothing of the process group, in which the main thread
+    exchanges (``device`` and ``world_size`` are given). An error leaves the packing to the main
+    thread of the source, as before.
     """
 
     def __init__(self, shared_state: Callable[[], dict], directory: str | None, device: torch.device, model: Any,

@@ -381,8 +381,8 @@ class InPlaceRecovery:
             try:
                 if reform:
                     self._let_go()
-                    early = self._pack_early(generation, failed_at)
                     generation = env._reform(generation)
+                    early = self._pack_early(generation, failed_at)
                 self._exchange_and_restore(generation, failed_at, early)
                 return
             except Exception as again:  # noqa: BLE001 - a member died during the recovery itself
@@ -503,7 +503,7 @@ class InPlaceRecovery:
         return state
 
     def _pack_early(self, generation: int, failed_at: float | None) -> "_transfer.PackedEarly | None":
-        """A survivor that will most likely send the state starts packing it, on a thread, while the
+        """A survivor that will most likely send the state starts packing it, on a thread, once the
         group is re-formed (see :class:`_transfer.PackedEarly`); None for the others."""
         if failed_at is None or not self._likely_source(generation):
             return None
@@ -519,14 +519,6 @@ class InPlaceRecovery:
         # One exchange decides it all (every member computes the same from the same list): the target,
         # its source, and whether every member holds its own part of the target.
         snapshots, newcomer = self._snapshots()
-        # A survivor that will most likely be the source packs its state before the exchange, while the
-        # replacement is still starting (the exchange waits for it anyway): off the path from here on.
-        # Packed on a thread during the re-forming, mostly (``early``).
-        ahead = early.take() if early is not None else None
-        if early is not None and ahead is None:  # the thread's packing failed: here, then
-            ahead = _transfer.pack_state(self._shared_state(), self.directory)
-            # And makes the new reducer's shared memory (see DistributedDataParallel._prepare_rejoin).
-            t.model._prepare_rejoin(self.directory)
         statuses = comm.all_gather_object(self._status(failed_at, snapshots, newcomer))
         survivors = [s for s in statuses if not s["replacement"]]
         if not survivors:
@@ -540,6 +532,10 @@ class InPlaceRecovery:
         if lacking:
             self._fall_back(f"rank(s) {lacking} have no record of their RNG streams and buffers at commit {target}, "
                             f"so the run could not go on bit for bit")
+        # A survivor that will most likely be the source packed its state on a thread while it waited in
+        # the exchange for the replacement (``early``, see _pack_early): off the path from the failure to
+        # the next step. A failed packing is redone below, by the source alone.
+        ahead = early.take() if early is not None else None
         if t.rank != source and ahead is not None:
             _transfer.remove(ahead[4])
             ahead = None  # a wrong guess: its buffer goes before another one is received
