@@ -239,6 +239,16 @@ def wait_for_generation(keys: Any, after: int, timeout_s: float) -> int:
         time.sleep(_POLL_S)
 
 
+def _wait_briefly(keys: Any, key: str) -> None:
+    """Wait until ``key`` is set, :data:`_POLL_S` at most: the store answers the moment it is set
+    (the last member to arrive sets it), so the group forms without a poll's delay; the caller
+    looks at what else may have happened in the meantime (a newer generation) after each slice."""
+    try:
+        keys.wait([key], datetime.timedelta(seconds=_POLL_S))
+    except RuntimeError:  # not set within the slice (torch's stores say so with an error)
+        pass
+
+
 def world_at(keys: Any, world: Any, since: int, generation: int) -> Any:
     """``world`` (a :class:`dptrain.env.World` of generation ``since``) as generation ``generation``
     has it: a resize (the job going on without a node, see [Note: a node lost for good] in
@@ -291,8 +301,10 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
         if here is None:
             raise RuntimeError(f"rank {world.rank} is not in the job any more: its node was left out when the job "
                                f"went on without a node (generation {g})")
-        arrived = f"recovery/g{g}/arrived"
+        arrived, everyone = f"recovery/g{g}/arrived", f"recovery/g{g}/everyone"
         count = int(keys.add(arrived, 1))
+        if count >= here.world_size:
+            keys.set(everyone, "1")  # wakes the members waiting below at once
         newer = False
         # A rank of a node let in waits for the running ranks' next step boundary, however long their
         # steps take (see [Note: a node coming back] in dptrain.launcher.resize): no deadline of its own.
@@ -314,7 +326,7 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
                         fn(here)
                 idle = []
             else:
-                time.sleep(_POLL_S)
+                _wait_briefly(keys, everyone)
             count = int(keys.add(arrived, 0))
         if newer:
             g = newest_generation(keys, g)

@@ -113,3 +113,23 @@ def test_the_state_packed_on_a_thread_is_the_state_packed_at_once_and_a_discarde
         assert broken.take() is None  # the main thread packs instead
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_received_weights_die_on_a_thread_not_on_the_way_to_the_next_step():
+    import threading
+    import time
+    import weakref
+
+    class Weights(dict):  # (a dict cannot be weakly referenced)
+        pass
+
+    died_on = []
+    weights = Weights(w=torch.ones(4))
+    weakref.finalize(weights, lambda: died_on.append(threading.current_thread()))
+    holder = [weights]
+    del weights
+    transfer.release_later(holder)
+    deadline = time.monotonic() + 10
+    while not died_on and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert died_on and died_on[0] is not threading.main_thread() and holder == []

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 import torch
 import torch.distributed as dist
 
@@ -85,6 +87,13 @@ class _Arrivals(_Keys):
         self[name] = str(int(self.get(name)) + amount if name in self else amount)
         return int(self[name])
 
+    def set(self, name, value):
+        self[name] = value
+
+    def wait(self, names, timeout):
+        if not self.check(names):
+            raise RuntimeError("Wait timeout")  # what torch's store raises when the slice passes
+
     def check(self, names):
         if names == [_regroup.FINISHED]:
             self.polls -= 1
@@ -133,3 +142,47 @@ def test_a_replacement_reads_its_ranks_snapshots_while_it_waits_and_the_trainer_
     held, newcomer = recovery.InPlaceRecovery._snapshots(fake)
     assert sorted(held) == [4, 5] and not newcomer
     assert recovery._READ_AHEAD == {}  # taken once
+
+
+def _store_server(kind):
+    """A store server of ``kind`` ("dptrain": the launcher's, "torch": torch's TCPStore) and a closer."""
+    import datetime
+    import socket
+
+    if kind == "torch":
+        master = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10))
+        return master.port, lambda: master  # (holding it until the end: the server goes with it)
+    from dptrain.launcher.store import StoreServer
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    server = StoreServer(sock)
+    return server.port, server.close
+
+
+@pytest.mark.parametrize("kind", ["dptrain", "torch"])
+def test_a_member_waiting_for_the_group_wakes_when_the_last_one_arrives_not_at_its_next_look(kind, monkeypatch):
+    import datetime
+    import threading
+
+    port, close = _store_server(kind)
+    try:
+        def client():
+            base = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10))
+            return dist.PrefixStore("attempt0/", base)
+
+        keys, last = client(), client()
+        monkeypatch.setattr(_regroup, "_POLL_S", 0.5)  # a look every half second: a wake-up must come sooner
+        began = time.monotonic()
+        for _ in range(3):  # slices that pass without the key leave the client usable
+            _regroup._wait_briefly(keys, "recovery/g1/everyone")
+        assert time.monotonic() - began >= 1.4
+        threading.Timer(0.1, lambda: last.set("recovery/g1/everyone", "1")).start()
+        began = time.monotonic()
+        _regroup._wait_briefly(keys, "recovery/g1/everyone")
+        assert 0.05 < time.monotonic() - began < 0.4
+        keys.set("other", "x")  # and the client still answers right
+        assert keys.get("other") == b"x" and last.get("other") == b"x"
+    finally:
+        close()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dptrain import _tensors, comm
 
 __all__ = ["STATE_FILE_PREFIX", "transfer_device", "pack_state", "map_state_file", "PackedEarly", "remove",
-           "broadcast_state"]
+           "broadcast_state", "release_later"]
 
 
 def transfer_device() -> torch.device:
@@ -135,6 +135,17 @@ class PackedEarly:
         packed = self.take()
         if packed is not None:
             remove(packed[4])
+
+
+def release_later(holder: list) -> None:
+    """Let ``holder``'s items go on a thread: the received weights, views of the source's file.
+
+    Their mapping is the last one of that file, whose name is gone, so unmapping it frees its
+    pages: 6 ms for 14 MiB, on the path from the failure to the next step. The thread does it
+    while the step starts (``munmap`` runs without the GIL). The caller keeps only ``holder``
+    (a list, emptied by the thread), so that the last reference dies on the thread.
+    """
+    threading.Thread(target=holder.clear, name="dptrain-let-go", daemon=True).start()
 
 
 def remove(path: str | None) -> None:

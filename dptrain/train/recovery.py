@@ -560,6 +560,8 @@ class InPlaceRecovery:
         if t.rank == 0:
             self._say(generation, statuses, shared, source, (how, transfer_s), resized_from)
         env._STATE.store.set(f"recovery/done/{generation}", "1")
+        if t.rank != source:  # its weights are views of the source's file, when they came through /dev/shm
+            _transfer.release_later([shared.pop("model")])
 
     def _restore(self, shared: dict, mine: _Snapshot, source: int, resized_from: int | None) -> None:
         t = self.trainer
