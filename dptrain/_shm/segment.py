@@ -85,7 +85,10 @@ SEGMENT_PREFIX = "dptrain-"
 _SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: chunk and buffer alignment (a cache line)
 _PAGE = 4096
-_WAIT_SLICE_S = 0.02  # longest sleep between deadline / liveness checks (in-place recovery waits on it)
+# Longest sleep between deadline / liveness checks: a survivor waiting in an all-reduce with a rank
+# that died notices it within a slice, and in-place recovery starts from there. A look costs about
+# 30 us (a lock test, /proc/PID/stat): every 5 ms, under 1% of a waiting core.
+_WAIT_SLICE_S = 0.005
 _SPIN_READS = 32  # counter reads before sleeping in the kernel
 
 # ---------------------------------------------------------------------------------- futex
