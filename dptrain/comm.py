@@ -539,16 +539,16 @@ def broadcast_object(obj: Any = None, src: int = 0, group: Any = None) -> Any:
 
 
 # [Note: small objects in one exchange]
-# torch's all_gather_object and broadcast_object_list always take two collectives -- the pickles'
-# sizes, then the pickles padded to the largest -- and about 1.5 ms per call between two CPU ranks.
-# dptrain's own bookkeeping (in-place recovery's statuses, the shared-memory and checkpoint
-# handshakes) exchanges objects of a few hundred bytes, several times on the path from a failure
-# to the next step. On a gloo group each rank therefore sends a slot of _OBJECT_SLOT bytes: its
-# pickle's size, then the pickle itself when it fits. When every pickle fits, that one collective
-# was all (about half the time); otherwise a second one moves the pickles padded to the largest,
-# whose size every rank now knows. Other backends (NCCL: the bytes would travel through the GPU)
-# keep torch's functions. Unpickled as torch does: only with peers you trust.
+# torch's all_gather_object and broadcast_object_list take two collectives (sizes, then pickles):
+# 1.5 ms per call on two CPU ranks, six calls of a few hundred bytes on in-place recovery's way to
+# the next step. On gloo a slot carries the pickle's size and, when it fits, the pickle: one
+# collective; else a second one moves the pickles padded to the largest. The slot shrinks on large
+# groups (256 KiB in all, 256 bytes at least). NCCL keeps torch's. Only with peers you trust.
 _OBJECT_SLOT = 4096
+
+
+def _slot_size(n: int) -> int:
+    return min(_OBJECT_SLOT, max(256, (256 << 10) // n))
 
 
 def _on_cpu(group: Any) -> bool:
@@ -576,10 +576,11 @@ def _padded(data: bytes | None, size: int) -> torch.Tensor:
 def _gather_pickles(data: bytes, group: Any) -> list[bytes]:
     """Every rank's ``data``, in rank order (see [Note: small objects in one exchange])."""
     n = dist.get_world_size(group)
-    slots = [torch.empty(_OBJECT_SLOT, dtype=torch.uint8) for _ in range(n)]
-    dist.all_gather(slots, _slot(data, _OBJECT_SLOT), group=group)
+    size = _slot_size(n)
+    slots = [torch.empty(size, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(slots, _slot(data, size), group=group)
     sizes = [int(s[:8].view(torch.int64)[0]) for s in slots]
-    if max(sizes) <= _OBJECT_SLOT - 8:
+    if max(sizes) <= size - 8:
         return [s[8:8 + k].numpy().tobytes() for s, k in zip(slots, sizes)]
     whole = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(n)]
     dist.all_gather(whole, _padded(data, max(sizes)), group=group)
@@ -588,10 +589,11 @@ def _gather_pickles(data: bytes, group: Any) -> list[bytes]:
 
 def _broadcast_pickle(data: bytes | None, src: int, group: Any) -> bytes:
     """Rank ``src``'s ``data`` on every rank (see [Note: small objects in one exchange])."""
-    slot = _slot(data, _OBJECT_SLOT)
+    room = _slot_size(dist.get_world_size(group))
+    slot = _slot(data, room)
     dist.broadcast(slot, src=src, group=group)
     size = int(slot[:8].view(torch.int64)[0])
-    if size <= _OBJECT_SLOT - 8:
+    if size <= room - 8:
         return slot[8:8 + size].numpy().tobytes()
     whole = _padded(data, size)
     dist.broadcast(whole, src=src, group=group)

@@ -98,6 +98,11 @@ def _objects_of_every_size(rank):
     return out
 
 
+def test_the_one_exchange_slot_shrinks_on_large_groups():
+    assert comm._slot_size(2) == comm._slot_size(64) == comm._OBJECT_SLOT
+    assert comm._slot_size(128) == 2048 and comm._slot_size(4096) == 256  # 256 KiB in all, 256 bytes at least
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_object_collectives_of_every_size_equal_torchs_definition(n):
     slot = comm._OBJECT_SLOT
