@@ -42,6 +42,10 @@ FINISHED = "recovery/finished"
 #: Seconds the members of a new generation wait for each other at least (see ``form``).
 ARRIVAL_WAIT_S = 120.0
 _POLL_S = 0.01  # a store check is ~0.1 ms: polling this often costs nothing and keeps recovery prompt
+# The members waiting for the others in ``form`` wake the moment the last one arrives (a store wait,
+# see _wait_briefly); between slices they look for a newer generation or the job's end. Longer than
+# _POLL_S: each slice is a wait and its cancel on the store, from every waiting member.
+_ARRIVAL_SLICE_S = 0.05
 
 
 # [Note: cutting a broken group's connections]
@@ -239,12 +243,12 @@ def wait_for_generation(keys: Any, after: int, timeout_s: float) -> int:
         time.sleep(_POLL_S)
 
 
-def _wait_briefly(keys: Any, key: str) -> None:
-    """Wait until ``key`` is set, :data:`_POLL_S` at most: the store answers the moment it is set
+def _wait_briefly(keys: Any, key: str, slice_s: float) -> None:
+    """Wait until ``key`` is set, ``slice_s`` seconds at most: the store answers the moment it is set
     (the last member to arrive sets it), so the group forms without a poll's delay; the caller
     looks at what else may have happened in the meantime (a newer generation) after each slice."""
     try:
-        keys.wait([key], datetime.timedelta(seconds=_POLL_S))
+        keys.wait([key], datetime.timedelta(seconds=slice_s))
     except RuntimeError:  # not set within the slice (torch's stores say so with an error)
         pass
 
@@ -326,7 +330,7 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
                         fn(here)
                 idle = []
             else:
-                _wait_briefly(keys, everyone)
+                _wait_briefly(keys, everyone, _ARRIVAL_SLICE_S)
             count = int(keys.add(arrived, 0))
         if newer:
             g = newest_generation(keys, g)
