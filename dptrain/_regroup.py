@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from dptrain import _heartbeat
 
-__all__ = ["generation_key", "newest_generation", "failure_after", "wait_for_generation", "form", "world_at", "newcomers_ready",
-           "JobFinished", "FINISHED", "announcement", "prefixed",
+__all__ = ["generation_key", "newest_generation", "failure_after", "wait_for_generation", "form", "world_at",
+           "newcomers_ready", "JobFinished", "FINISHED", "announcement", "prefixed",
            "recording_connections", "cut_connections", "leave_if_broken", "on_leaving"]
 
 #: Written (rank 0) when a job that lets nodes in has finished: a newcomer still waiting to join exits.
