@@ -19,7 +19,8 @@ when the interpreter exits aborts the process.
 
 Ranks also leave ``init`` together (the ``ready`` count): otherwise a rank that is done
 first -- a script that only prints its rank -- can shut down and close its connections
-while a peer still completes its side of them, which then fails.
+while a peer still completes its side of them, which then fails. The rank that hosts the
+store leaves last of all (the ``ready/seen`` count): its process ending ends the store.
 """
 
 from __future__ import annotations
@@ -178,9 +179,20 @@ class JoinWatch:
         return RuntimeError(f"dptrain.init failed ({type(exc).__name__}: {first}): {self._state()}")
 
 
-def wait_until_all_ready(store: Any, world_size: int, timeout: datetime.timedelta) -> None:
-    """Return once every rank has created its process group (see the note above)."""
+def wait_until_all_ready(store: Any, world_size: int, timeout: datetime.timedelta, hosts_store: bool = False) -> None:
+    """Return once every rank has created its process group (see the note above).
+
+    The rank whose process hosts the store (``hosts_store``: rank 0 without a launcher's store)
+    returns only once every rank has seen that: a host that leaves first (a script that ends right
+    after ``init``) takes the store with it while a peer still waits for ``ready/all``, and that
+    peer's ``init`` fails with "Connection reset by peer".
+    """
     if int(store.add("ready", 1)) >= world_size:
         store.set("ready/all", "1")
     else:
         store.wait(["ready/all"], timeout)
+    # The others need no second wait: their count below is their last use of the store in init.
+    if int(store.add("ready/seen", 1)) >= world_size:
+        store.set("ready/seen/all", "1")
+    elif hosts_store:
+        store.wait(["ready/seen/all"], timeout)

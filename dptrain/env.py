@@ -160,8 +160,13 @@ def _default_backend(world: World) -> str:
     return "gloo"
 
 
+def _hosts_store(world: World) -> bool:
+    """Whether this rank's process hosts the job's store (rank 0, unless a launcher hosts it)."""
+    return world.rank == 0 and not world.use_agent_store
+
+
 def _make_store(world: World, timeout: datetime.timedelta) -> dist.Store:
-    is_master = world.rank == 0 and not world.use_agent_store
+    is_master = _hosts_store(world)
     return dist.TCPStore(
         world.master_addr,
         world.master_port,
@@ -225,7 +230,7 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
         with _regroup.recording_connections(0) if _in_place() else nullcontext():
             dist.init_process_group(backend, store=_prefixed(base, world, _heartbeat.PROCESS_GROUP_PART),
                                     rank=world.rank, world_size=world.world_size, timeout=td)
-        _join.wait_until_all_ready(keys, world.world_size, td)
+        _join.wait_until_all_ready(keys, world.world_size, td, hosts_store=_hosts_store(world))
     except Exception as exc:  # noqa: BLE001 - every failure to join gets what it waited for
         raise watch.failure(exc) from exc
     finally:

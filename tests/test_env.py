@@ -214,6 +214,49 @@ def test_a_rank_that_cannot_reach_the_master_says_what_it_waits_for():
     assert "RuntimeError: dptrain.init failed (DistNetworkError" in out.stderr
 
 
+def test_the_rank_hosting_the_store_leaves_init_after_every_peer_saw_it_complete():
+    # A script whose rank 0 ends right after init() takes the store with it: a peer still waiting
+    # for "ready/all" then failed init with "Connection reset by peer" (seen in CI, 2 of 300 short
+    # jobs under load). The host, last to arrive here, must wait until the slow peer has seen it.
+    import datetime
+    import threading
+    import time
+
+    from dptrain import _join
+
+    port = free_port()
+    timeout = datetime.timedelta(seconds=30)
+    host = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timeout, wait_for_workers=False)
+    seen_at = {}
+
+    class SlowPeer:  # the peer's store: its wait for "ready/all" returns 0.3 s late
+        def __init__(self):
+            self.store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+
+        def add(self, key, n):
+            if key == "ready/seen":
+                seen_at["peer"] = time.monotonic()
+            return self.store.add(key, n)
+
+        def set(self, key, value):
+            self.store.set(key, value)
+
+        def wait(self, keys, t):
+            self.store.wait(keys, t)
+            time.sleep(0.3)
+
+    peer = threading.Thread(target=_join.wait_until_all_ready, args=(SlowPeer(), 2, timeout))
+    peer.start()
+    while int(host.add("ready", 0)) < 1:  # the peer waits for "ready/all"; the host comes last
+        time.sleep(0.01)
+    _join.wait_until_all_ready(host, 2, timeout, hosts_store=True)
+    host_done = time.monotonic()
+    peer.join(timeout=30)
+    assert not peer.is_alive()
+    assert host_done >= seen_at["peer"]
+    assert int(host.add("ready/seen", 0)) == 2  # both counted themselves out
+
+
 def test_plain_python_under_slurm_names_the_missing_ranks_and_srun():
     out = _init_alone({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
                        "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "42"})
