@@ -1,8 +1,8 @@
 """Start and finish many short 2-rank jobs through every way a process ends; count aborts.
 
-    python exit_stress.py JOBS PARALLEL
+    python exit_stress.py JOBS PARALLEL [CASE]
 
-Each rank is forked from this process (torch is imported once, so a job costs a fraction
+With CASE, every one of the JOBS jobs does what job CASE does (to repeat a failure). Each rank is forked from this process (torch is imported once, so a job costs a fraction
 of a second). Job ``j`` picks, from ``j`` alone (so a failure names a reproducible case):
 
 * how the process group is made: by ``dptrain.init`` (its heartbeat writing as fast as it
@@ -156,6 +156,7 @@ def fork_rank(rank: int, port: int, how: dict) -> int:
 
 def main() -> int:
     jobs, parallel = int(sys.argv[1]), int(sys.argv[2])
+    only = int(sys.argv[3]) if len(sys.argv) > 3 else None
     # Objects that exist now are never collected in the children: their exit then costs a
     # fraction of a second instead of a full collection of torch's objects.
     gc.freeze()
@@ -167,12 +168,12 @@ def main() -> int:
         while started < jobs and len(running) < 2 * parallel:
             port = free_port()
             for rank in (0, 1):
-                running[fork_rank(rank, port, case(started))] = (started, rank)
+                running[fork_rank(rank, port, case(started if only is None else only))] = (started, rank)
             started += 1
         pid, status = os.wait()
         job, rank = running.pop(pid)
         code = os.waitstatus_to_exitcode(status)
-        how = case(job)
+        how = case(job if only is None else only)
         if code == -signal.SIGABRT:
             aborts += 1
         if code != EXPECTED.get(how["exit"], 0):
