@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import dptrain
+import dptrain.parallel  # noqa: F401 - DDP's torch._dynamo (2 s of CPU), imported once here, not in each rank
 from dptrain import _heartbeat, comm, env
 from dptrain._shm import segment as _shm_segment
 from dptrain._heartbeat import describe_exit as _describe_exit
