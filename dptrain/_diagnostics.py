@@ -36,15 +36,19 @@ class _Job:
     store: Any = None
     timeout = datetime.timedelta(seconds=_heartbeat.DEFAULT_TIMEOUT_S)
     generation = 0  # of the process group (see dptrain._regroup)
+    namespace = ""  # of this init's keys (see dptrain.env's [Note: init again in the same process])
 
 
 _JOB = _Job()
 _seq: dict[str, int] = {}  # debug cross-check: collectives per group so far
 
 
-def configure(store: Any, timeout: datetime.timedelta) -> None:
-    """Called by ``dptrain.init``: where dptrain's keys live, and how long a collective may wait."""
-    _JOB.store, _JOB.timeout = store, timeout
+def configure(store: Any, timeout: datetime.timedelta, namespace: str = "") -> None:
+    """Called by ``dptrain.init``: where dptrain's keys live, and how long a collective may wait.
+
+    ``namespace`` sets the collectives of a second init of the process apart from the first's
+    (see [Note: init again in the same process] in :mod:`dptrain.env`)."""
+    _JOB.store, _JOB.timeout, _JOB.namespace = store, timeout, namespace
 
 
 def new_generation(generation: int) -> None:
@@ -77,7 +81,7 @@ def debug_enabled() -> bool:
 
 def _group_key(group: Any) -> str:
     # After an in-place recovery the collectives count from 0 again under the new generation's name.
-    gen = f"gen{_JOB.generation}/" if _JOB.generation else ""
+    gen = (f"{_JOB.namespace}/" if _JOB.namespace else "") + (f"gen{_JOB.generation}/" if _JOB.generation else "")
     if group is None:
         return gen + "world"
     try:

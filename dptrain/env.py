@@ -215,10 +215,12 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
             _set_world_environ(here)
             _STATE.world = here  # init() takes it from here
         return keys
+    again = _init_namespace()  # see [Note: init again in the same process]
+
     def open_reader() -> dist.Store:
         reader = dist.TCPStore(world.master_addr, world.master_port, None, False,
                                timeout=datetime.timedelta(seconds=5))
-        return _prefixed(reader, world, _heartbeat.DPTRAIN_PART)
+        return _within(_prefixed(reader, world, _heartbeat.DPTRAIN_PART), again)
 
     watch = _join.JoinWatch(world, td.total_seconds(), open_reader)
     try:
@@ -226,16 +228,40 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
         watch.connected = True
         keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART)
         _STATE.base_store = base
-        keys.append("joined", f"{world.rank},")
+        join_keys = _within(keys, again)
+        join_keys.append("joined", f"{world.rank},")
         with _regroup.recording_connections(0) if _in_place() else nullcontext():
-            dist.init_process_group(backend, store=_prefixed(base, world, _heartbeat.PROCESS_GROUP_PART),
+            dist.init_process_group(backend, store=_within(_prefixed(base, world, _heartbeat.PROCESS_GROUP_PART), again),
                                     rank=world.rank, world_size=world.world_size, timeout=td)
-        _join.wait_until_all_ready(keys, world.world_size, td, hosts_store=_hosts_store(world))
+        _join.wait_until_all_ready(join_keys, world.world_size, td, hosts_store=_hosts_store(world))
     except Exception as exc:  # noqa: BLE001 - every failure to join gets what it waited for
         raise watch.failure(exc) from exc
     finally:
         watch.stop()
+    _INITS[0] += 1
     return keys
+
+
+# [Note: init again in the same process]
+# A script may call init() again after shutdown() (a notebook, a test that runs several jobs, a
+# sweep in one process). Under a launcher the store outlives the first process group, and with
+# it that group's keys: torch's gloo rendezvous then read the peers' addresses of the first
+# group (ports long closed: "Gloo connectFullMesh failed ... Connection refused", or a wait
+# until the timeout), and the ``ready`` count was already complete. So the n-th init of a
+# process (n >= 1) makes its group and its join keys under "init<n>"; every rank of a job calls
+# init the same number of times, so the n-th inits of all ranks meet there. The first init
+# keeps the plain layout, which the launcher and the in-place recovery's generations share.
+_INITS = [0]  # inits that completed in this process
+
+
+def _init_namespace(n: int | None = None) -> str:
+    """The keys' namespace of init number ``n`` of this process (default: the next one)."""
+    n = _INITS[0] if n is None else n
+    return f"init{n}" if n > 0 else ""
+
+
+def _within(store: dist.Store, namespace: str) -> dist.Store:
+    return dist.PrefixStore(namespace, store) if namespace else store
 
 
 def _threads_as_if_fresh() -> None:
@@ -275,7 +301,9 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     process group (``torchrun --nproc-per-node 1``, ``dptrain.spawn(fn, 1)``), as
     ``init_process_group`` would create it: a script that builds PyTorch's DDP or calls
     ``torch.distributed`` runs there unchanged. Calling
-    ``init`` again is a no-op that returns the same world. A process group created by
+    ``init`` again is a no-op that returns the same world; after :func:`shutdown` it joins the
+    job anew, as often as the script likes, every rank the same number of times (each such
+    group gets keys of its own in the store). A process group created by
     the user with ``torch.distributed.init_process_group`` is adopted as it is.
 
     ``init`` returns once every rank of the job has joined. While it waits, local rank 0
@@ -338,7 +366,9 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         open_store = _open_store_warning(world)
         if open_store:
             _warn_once_main(open_store)
-        _diagnostics.configure(_STATE.store, td)  # what the guarded collectives need to explain a failure
+        # What the guarded collectives need to explain a failure; an init after the first counts
+        # its collectives apart from the first's (see [Note: init again in the same process]).
+        _diagnostics.configure(_STATE.store, td, namespace=_init_namespace(_INITS[0] - 1))
         if _STATE.generation:
             _diagnostics.new_generation(_STATE.generation)  # a replacement counts collectives as the survivors do
         _start_heartbeat(world.rank)

@@ -336,6 +336,26 @@ def test_a_forgotten_init_under_a_launcher_is_refused_naming_dptrain_init():
         f"dptrain.comm.broadcast: the environment says this is rank 3 of 4 (SLURM_NTASKS=4 from srun) {fix}")
 
 
+@pytest.mark.parametrize("launcher", ["dptrain run", "torchrun"])
+def test_init_again_after_shutdown_under_a_launcher_meets_the_peers_second_init(launcher):
+    # The launcher's store outlives each process group. A second init used to find the first
+    # group's keys there: gloo dialled the peers' closed ports ("Gloo connectFullMesh failed ...
+    # Connection refused") or init waited until the timeout (3 of 3 jobs with rank 1 late), and
+    # the debug cross-check compared a collective with the first group's collective of that number.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(DPTRAIN_DEBUG="1", DPTRAIN_TIMEOUT="60")  # the debug cross-check counts each init's collectives apart
+    start = ([sys.executable, "-m", "dptrain", "run"] if launcher == "dptrain run"
+             else [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port())])
+    out = subprocess.run(start + ["--nproc-per-node", "2", os.path.join(root, "tests", "scripts", "init_again.py")],
+                         capture_output=True, text=True, timeout=180, cwd=root, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    for cycle in range(3):
+        total = [3.0 + 20 * cycle] * (2 + cycle)  # (1 + 10c) + (2 + 10c), in 2 + c elements
+        for rank in (0, 1):
+            assert f"cycle {cycle} rank {rank} of 2: {total} grad {[total]}" in out.stdout, out.stdout
+
+
 def test_dptrain_run_of_a_script_without_init_fails_naming_dptrain_init():
     # Issue 30: this job used to exit 0, its two ranks holding different weights.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
