@@ -2,8 +2,9 @@
 
     python exit_stress.py JOBS PARALLEL [CASE]
 
-With CASE, every one of the JOBS jobs does what job CASE does (to repeat a failure). Each rank is forked from this process (torch is imported once, so a job costs a fraction
-of a second). Job ``j`` picks, from ``j`` alone (so a failure names a reproducible case):
+Each rank is forked from this process (torch is imported once, so a job costs a fraction
+of a second). Job ``j`` picks, from ``j`` alone (so a failure names a reproducible case, and
+with CASE every one of the JOBS jobs does what job CASE does, to repeat a failure):
 
 * how the process group is made: by ``dptrain.init`` (its heartbeat writing as fast as it
   can, so that it is inside a store write whenever the process ends), or by the user with
