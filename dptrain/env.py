@@ -215,12 +215,12 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
             _set_world_environ(here)
             _STATE.world = here  # init() takes it from here
         return keys
-    again = _init_namespace()  # see [Note: init again in the same process]
+    again = _init_suffix()  # see [Note: init again in the same process]
 
     def open_reader() -> dist.Store:
         reader = dist.TCPStore(world.master_addr, world.master_port, None, False,
                                timeout=datetime.timedelta(seconds=5))
-        return _within(_prefixed(reader, world, _heartbeat.DPTRAIN_PART), again)
+        return _prefixed(reader, world, _heartbeat.DPTRAIN_PART + again)
 
     watch = _join.JoinWatch(world, td.total_seconds(), open_reader)
     try:
@@ -228,10 +228,10 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
         watch.connected = True
         keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART)
         _STATE.base_store = base
-        join_keys = _within(keys, again)
+        join_keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART + again)
         join_keys.append("joined", f"{world.rank},")
         with _regroup.recording_connections(0) if _in_place() else nullcontext():
-            group_keys = _within(_prefixed(base, world, _heartbeat.PROCESS_GROUP_PART), again)
+            group_keys = _prefixed(base, world, _heartbeat.PROCESS_GROUP_PART + again)
             dist.init_process_group(backend, store=group_keys, rank=world.rank, world_size=world.world_size,
                                     timeout=td)
         _join.wait_until_all_ready(join_keys, world.world_size, td, hosts_store=_hosts_store(world))
@@ -249,20 +249,17 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
 # it that group's keys: torch's gloo rendezvous then read the peers' addresses of the first
 # group (ports long closed: "Gloo connectFullMesh failed ... Connection refused", or a wait
 # until the timeout), and the ``ready`` count was already complete. So the n-th init of a
-# process (n >= 1) makes its group and its join keys under "init<n>"; every rank of a job calls
-# init the same number of times, so the n-th inits of all ranks meet there. The first init
-# keeps the plain layout, which the launcher and the in-place recovery's generations share.
+# process (n >= 1) makes its group and its join keys under "init<n>" (as a generation's group is
+# made under "pg/gen<g>", see dptrain._regroup.form); every rank of a job calls init the same
+# number of times, so the n-th inits of all ranks meet there. The first init keeps the plain
+# layout, which the launcher and the in-place recovery's generations share.
 _INITS = [0]  # inits that completed in this process
 
 
-def _init_namespace(n: int | None = None) -> str:
-    """The keys' namespace of init number ``n`` of this process (default: the next one)."""
+def _init_suffix(n: int | None = None) -> str:
+    """What init number ``n`` of this process (default: the next one) adds to its keys' parts."""
     n = _INITS[0] if n is None else n
-    return f"init{n}" if n > 0 else ""
-
-
-def _within(store: dist.Store, namespace: str) -> dist.Store:
-    return dist.PrefixStore(namespace, store) if namespace else store
+    return f"/init{n}" if n > 0 else ""
 
 
 def _threads_as_if_fresh() -> None:
@@ -369,7 +366,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
             _warn_once_main(open_store)
         # What the guarded collectives need to explain a failure; an init after the first counts
         # its collectives apart from the first's (see [Note: init again in the same process]).
-        _diagnostics.configure(_STATE.store, td, namespace=_init_namespace(_INITS[0] - 1))
+        _diagnostics.configure(_STATE.store, td, namespace=_init_suffix(_INITS[0] - 1).lstrip("/"))
         if _STATE.generation:
             _diagnostics.new_generation(_STATE.generation)  # a replacement counts collectives as the survivors do
         _start_heartbeat(world.rank)
