@@ -6,13 +6,14 @@ fresh machine with nothing but torch installed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["ResNet18", "BasicBlock", "ToyModel", "MLP", "TransformerBlock", "TinyTransformer"]
+__all__ = ["ResNet18", "BasicBlock", "ToyModel", "MLP", "TransformerBlock", "TinyTransformer", "GPT", "CausalBlock",
+           "LMOutput"]
 
 
 class BasicBlock(nn.Module):
@@ -157,3 +158,94 @@ class TinyTransformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+class LMOutput(dict):
+    """What :class:`GPT` returns: ``.loss`` (None without labels) and ``.logits``, readable as a mapping
+    too (``out["loss"]``), as Hugging Face models' outputs are."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class CausalBlock(nn.Module):
+    """Pre-norm decoder block: causal self-attention and an MLP, each with a residual."""
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                         dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """A small GPT: token and position embeddings, causal blocks, a head tied to the embedding.
+
+    It computes its own loss, as Hugging Face's causal language models do: ``model(input_ids,
+    labels=labels)`` returns an :class:`LMOutput` with ``.loss`` (next-token cross entropy,
+    mean over the tokens whose label is not -100) and ``.logits``; the Trainer trains it with
+    ``loss_fn=None``.
+
+    Args:
+        vocab: vocabulary size. Default 256 (bytes).
+        dim: model width. Default 128.
+        depth: number of blocks. Default 4.
+        heads: attention heads (``dim`` must divide by it). Default 4.
+        max_len: longest sequence. Default 256.
+        dropout: dropout in the blocks. Default 0.
+
+    Raises:
+        ValueError: ``dim`` not divisible by ``heads``; a sequence longer than ``max_len``.
+
+    Example:
+        >>> out = GPT(dim=32, depth=1)(torch.randint(0, 256, (2, 16)), labels=torch.randint(0, 256, (2, 16)))
+        >>> out.logits.shape, out.loss.shape
+        (torch.Size([2, 16, 256]), torch.Size([]))
+    """
+
+    def __init__(self, vocab: int = 256, dim: int = 128, depth: int = 4, heads: int = 4, max_len: int = 256,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"GPT(dim={dim}) must be divisible by heads={heads}")
+        self.max_len = max_len
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(CausalBlock(dim, heads, dropout) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied, as GPT-2's
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> LMOutput:
+        t = input_ids.shape[1]
+        if t > self.max_len:
+            raise ValueError(f"a sequence of {t} tokens is longer than GPT(max_len={self.max_len})")
+        x = self.drop(self.tok(input_ids) + self.pos(torch.arange(t, device=input_ids.device)))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                               ignore_index=-100)
+        return LMOutput(loss=loss, logits=logits)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["TrainerConfig", "STRATEGIES", "NAN_POLICIES"]
+__all__ = ["TrainerConfig", "STRATEGIES", "NAN_POLICIES", "LR_SCHEDULES"]
 
 #: Names accepted by ``TrainerConfig(strategy=...)``.
 STRATEGIES = ("ddp", "fsdp", "torch-ddp", "none", "zero")
+#: Schedules accepted by ``TrainerConfig(lr_schedule=...)``.
+LR_SCHEDULES = ("cosine", "linear", "constant")
 #: What the Trainer does when a loss or gradient norm is not finite.
 NAN_POLICIES = ("stop", "skip", "off")
 
@@ -52,6 +54,23 @@ class TrainerConfig:
             ``float16`` on CPU warns once and trains in fp32. Default False.
         amp_dtype: ``"float16"`` or ``"bfloat16"``. Default ``"float16"``.
         scheduler_interval: ``"epoch"`` or ``"step"``: when ``scheduler.step()`` runs. Default ``"epoch"``.
+        max_epochs: how many epochs ``fit()`` trains when it is called without a budget. Default None.
+        max_steps: how many optimizer steps ``fit()`` trains when called without a budget (with
+            ``max_epochs`` too, whichever ends first); the way language models are trained. Default None.
+        eval_every_steps: evaluate the dev data (and choose the best model) every this many optimizer
+            steps and after the last one, instead of at the end of each epoch (0: at epoch ends). Default 0.
+        lr_schedule: a learning-rate schedule over the optimizer steps that the Trainer builds itself:
+            ``"cosine"`` (linear warmup, then cosine decay to ``min_lr_ratio`` times the optimizer's
+            learning rate at ``max_steps``), ``"linear"`` (warmup, then linear decay) or ``"constant"``
+            (warmup, then flat); see :class:`dptrain.train.WarmupDecay`. Needs ``max_steps`` and no
+            ``scheduler`` of your own; sets ``scheduler_interval="step"``. Default None.
+        warmup_steps: optimizer steps of linear warmup from 0 for ``lr_schedule``. Default 0.
+        min_lr_ratio: the learning rate ``lr_schedule`` ends at, as a fraction of the optimizer's. Default 0.
+        uneven: what happens when the ranks' shares of a streamed data set (an ``IterableDataset``)
+            end at different batches: ``"join"`` (default) -- a rank that ran out takes part in the
+            remaining steps with a zero-weight stand-in batch, as ``torch``'s ``Join`` does, so no
+            sample is left out and no rank waits; ``"drop"`` -- every rank stops at the first rank's
+            end, and the dropped batches are counted once.
         checkpoint_dir: where checkpoints go. Default None (no checkpoints).
         save_every: write a checkpoint every this many epochs (0: never at epoch ends). Default 1.
         save_every_steps: also every this many optimizer steps (0: never). Default 0.
@@ -125,6 +144,13 @@ class TrainerConfig:
     amp: bool = False
     amp_dtype: str = "float16"
     scheduler_interval: str = "epoch"
+    max_epochs: int | None = None
+    max_steps: int | None = None
+    eval_every_steps: int = 0
+    lr_schedule: str | None = None
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    uneven: str = "join"
     checkpoint_dir: str | None = None
     save_every: int = 1
     save_every_steps: int = 0
@@ -176,6 +202,7 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig(max_grad_norm={self.max_grad_norm!r}) must be > 0, or None for no clipping")
         if self.amp_dtype not in ("float16", "bfloat16"):
             raise ValueError(f"TrainerConfig(amp_dtype={self.amp_dtype!r}) must be 'float16' or 'bfloat16'")
+        self._check_budget()
         if self.scheduler_interval not in ("epoch", "step"):
             raise ValueError(f"TrainerConfig(scheduler_interval={self.scheduler_interval!r}) must be 'epoch' or 'step'")
         if self.best_mode not in ("min", "max"):
@@ -201,6 +228,36 @@ class TrainerConfig:
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"TrainerConfig(seed={self.seed!r}) must be an integer")
+
+    def _check_budget(self) -> None:
+        """The step budget and the schedule over it: ``max_epochs``, ``max_steps``, ``lr_schedule`` ..."""
+        for name in ("max_epochs", "max_steps"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"TrainerConfig({name}={v!r}) must be an integer >= 1, or None")
+        for name in ("eval_every_steps", "warmup_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"TrainerConfig({name}={v!r}) must be an integer >= 0")
+        if self.lr_schedule is not None:
+            if self.lr_schedule not in LR_SCHEDULES:
+                raise ValueError(f"TrainerConfig(lr_schedule={self.lr_schedule!r}) must be one of {list(LR_SCHEDULES)} or None")
+            if self.max_steps is None:
+                raise ValueError(
+                    f"TrainerConfig(lr_schedule={self.lr_schedule!r}) plans the learning rate over max_steps, which is "
+                    f"None; set TrainerConfig(max_steps=...)"
+                )
+            if self.warmup_steps > self.max_steps:
+                raise ValueError(
+                    f"TrainerConfig(warmup_steps={self.warmup_steps}) is longer than max_steps={self.max_steps}; "
+                    f"warm up for fewer steps"
+                )
+        if not (isinstance(self.min_lr_ratio, (int, float)) and 0.0 <= self.min_lr_ratio <= 1.0):
+            raise ValueError(f"TrainerConfig(min_lr_ratio={self.min_lr_ratio!r}) must be between 0 and 1")
+        if self.lr_schedule is not None and self.scheduler_interval == "epoch":
+            self.scheduler_interval = "step"  # the schedule is planned in optimizer steps
+        if self.uneven not in ("join", "drop"):
+            raise ValueError(f"TrainerConfig(uneven={self.uneven!r}) must be 'join' or 'drop'")
 
     def _check_ddp_extensions(self) -> None:
         """``compression`` and ``overlap_optimizer``: what DDP can do, set where the Trainer manages it."""

@@ -20,7 +20,7 @@ from dptrain import comm
 from dptrain._tensors import move_to_device
 from dptrain.data import gather_results
 
-__all__ = ["split_batch", "forward", "num_samples", "evaluate"]
+__all__ = ["split_batch", "forward", "forward_batch", "loss_of", "batch_size_of", "num_samples", "evaluate", "evaluate_steps"]
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
@@ -41,6 +41,131 @@ def forward(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, (list, tuple)):
         return model(*inputs)
     return model(inputs)
+
+
+def forward_batch(model: nn.Module, batch: Any) -> Any:
+    """The model on a whole batch: ``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple or
+    list, else ``model(batch)`` (how a model that computes its own loss is called).
+
+    Raises:
+        ValueError: the model does not take the batch that way, with the likely fix (a batch of
+            ``(inputs, targets)`` for a model that does not compute its loss needs a ``loss_fn``).
+    """
+    try:
+        return forward(model, batch)
+    except TypeError as exc:
+        how = ("model(**batch)" if isinstance(batch, Mapping) else
+               "model(*batch)" if isinstance(batch, (list, tuple)) else "model(batch)")
+        raise ValueError(
+            f"with loss_fn=None the Trainer passes each batch to the model whole ({how}: the model computes its own "
+            f"loss), and that failed: {exc}. For batches of (inputs, targets) pass a loss: Trainer(model, optimizer, "
+            f"data, loss_fn=nn.CrossEntropyLoss()), or write the step: Trainer(..., training_step=lambda model, "
+            f"batch: ...)"
+        ) from exc
+
+
+def loss_of(output: Any, where: str = "the model") -> torch.Tensor:
+    """The loss in ``output``: a scalar tensor itself, ``output.loss``, ``output["loss"]``, or the first
+    element of a tuple (Hugging Face's ``return_dict=False``).
+
+    Raises:
+        ValueError: no loss found, naming what came back and the ways to give one.
+    """
+    loss = output
+    if not isinstance(loss, torch.Tensor):
+        if isinstance(output, Mapping) and "loss" in output:
+            loss = output["loss"]
+        elif getattr(output, "loss", None) is not None:
+            loss = output.loss
+        elif isinstance(output, (list, tuple)) and output and isinstance(output[0], torch.Tensor):
+            loss = output[0]
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss.reshape(())
+    shown = type(output).__name__ + (f" of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else "")
+    raise ValueError(
+        f"{where} returned {shown}, which holds no loss; return a scalar tensor or an output with .loss or "
+        f"['loss'] (a Hugging Face model does when the batch has 'labels'), or pass Trainer(loss_fn=...) for "
+        f"batches of (inputs, targets), or Trainer(training_step=lambda model, batch: ...)"
+    )
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch of any shape: the leading size of its first tensor (1 when it has none)."""
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            return int(item.shape[0]) if item.dim() > 0 else 1
+        if isinstance(item, Mapping):
+            stack[:0] = list(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack[:0] = list(item)
+    return 1
+
+
+def evaluate_steps(step: Callable[[nn.Module, Any], Any], net: nn.Module, loader: Any, *, device: torch.device,
+                   lockstep: bool, autocast: Callable[[], Any]) -> dict[str, float]:
+    """Average ``step(net, batch)``'s values over every sample of every rank; collective.
+
+    ``step`` returns a loss (see :func:`loss_of`) or ``{name: scalar}``; each batch weighs by its
+    size. The sums travel in one all-reduce. With ``lockstep`` (every forward communicates, as
+    FSDP's does) the ranks agree before each batch whether any still has one, and a rank that has
+    run out repeats its last batch (or a stand-in) and drops the values.
+    """
+    names: list[str] = []
+    sums: dict[str, float] = {}
+    count = 0
+    was_training = net.training
+    net.eval()
+    try:
+        with torch.no_grad():
+            batches, last = iter(loader), None
+            while True:
+                batch = next(batches, None)
+                real = batch is not None and not getattr(batch, "is_shadow", False)
+                if lockstep:
+                    more = torch.tensor([1 if real else 0], device=device)
+                    comm.all_reduce(more, op="max")
+                    if not int(more.item()):
+                        break
+                    if not real:
+                        batch = last if last is not None else _stand_in_batch(loader)
+                elif batch is None:
+                    break
+                elif not real:
+                    continue  # a stream's stand-in for a rank that ran out: nothing to count
+                batch = getattr(batch, "batch", batch) if not real else batch
+                moved = move_to_device(batch, device)
+                with autocast():
+                    values = step(net, moved)
+                if not real:
+                    continue
+                last = batch
+                n = batch_size_of(moved)
+                if not _scalars(values):  # a loss, or a model's output holding one
+                    values = {"loss": loss_of(values, "evaluation_step")}
+                for k, v in values.items():
+                    if k not in sums:
+                        names.append(k)
+                        sums[k] = 0.0
+                    sums[k] += float(v) * n
+                count += n
+    finally:
+        net.train(was_training)
+    # Every rank must list the same names: a rank without a batch knows none.
+    everyone = comm.all_gather_object(names) if comm.is_distributed() else [names]
+    keys = sorted({k for ks in everyone for k in ks}, key=lambda k: (k != "loss", k))
+    totals = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(count)], dtype=torch.float64, device=device)
+    if comm.is_distributed():
+        comm.all_reduce(totals, op="sum")
+    n_all = float(totals[-1])
+    return {k: (float(totals[i]) / n_all if n_all else float("nan")) for i, k in enumerate(keys)}
+
+
+def _scalars(values: Any) -> bool:
+    """Whether ``values`` is a mapping of metric values (numbers or one-element tensors), not a model output."""
+    return isinstance(values, Mapping) and all(
+        isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1) for v in values.values())
 
 
 def num_samples(targets: Any) -> int:

@@ -44,6 +44,14 @@ def reads_state(name: str) -> property:
                     doc=f"``self.state.{name}``, read-only; see :class:`dptrain.train.TrainState`.")
 
 
+def _length(loader: Any) -> int | None:
+    """``len(loader)``, or None for a loader that has none (over a stream without ``__len__``)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
 class TrainState:
     """Progress of a run: what ``fit`` needs to continue exactly where a checkpoint stopped.
 
@@ -87,14 +95,15 @@ class TrainState:
         self.sample_count = 0
 
     # -- replaying a resumed epoch ------------------------------------------------------
-    def begin_epoch(self, loader: Any) -> tuple[Iterator[Any], int]:
+    def begin_epoch(self, loader: Any) -> tuple[Iterator[Any], int | None]:
         """Start (or continue) ``epoch`` on ``loader``: returns the batch iterator and the
-        number of batches the whole epoch has (so ``batch_in_epoch`` counts towards it)."""
+        number of batches the whole epoch has (so ``batch_in_epoch`` counts towards it), or None
+        for a loader without a length (a stream)."""
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(self.epoch)
         elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
             loader.sampler.set_epoch(self.epoch)
-        num_batches = len(loader)
+        num_batches = _length(loader)
         start = self.batch_in_epoch
         if self._pending_rng is not None and start == 0:
             set_rng_state(self._pending_rng)  # before iter(): see [Note: bitwise resume]
@@ -108,7 +117,7 @@ class TrainState:
                 sampler.load_state_dict(saved["sampler"])
             else:
                 fast_forward = start
-            if not fast_forward:
+            if not fast_forward and num_batches is not None:
                 # The loader now yields the rest of the epoch (re-shared if the world size changed).
                 num_batches = start + len(loader)
         self._pending_loader_state = None

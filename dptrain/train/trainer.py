@@ -17,6 +17,7 @@ at the end of each epoch, logging -- and asks its parts for everything else:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from typing import Any, Callable, Iterable, Mapping
@@ -29,7 +30,8 @@ from dptrain._tensors import move_to_device
 from dptrain.data import prepare_dataloader
 from dptrain.env import World, _warn_once_main, device as _default_device, get_world, init, is_initialized, world_from_environ
 from dptrain.train import _parts, evaluation
-from dptrain.train.evaluation import forward, num_samples, split_batch
+from dptrain.seeding import get_rng_state, set_rng_state
+from dptrain.train.evaluation import batch_size_of, forward, loss_of, num_samples, split_batch
 from dptrain.train.callbacks import Callback, EarlyStopping, NonFiniteError, NonFiniteGuard, StepInfo, gather_step_values
 from dptrain.train.checkpointer import Checkpointer
 from dptrain.train.config import TrainerConfig
@@ -40,6 +42,7 @@ from dptrain.train.recovery import InPlaceRecovery, is_replacement
 from dptrain.train.report import install_excepthook
 from dptrain.train.sharding import check_equal_batches, check_optimizer_params, shard_train_loader
 from dptrain.train.state import TrainState, reads_state
+from dptrain.train.schedule import WarmupDecay
 from dptrain.train.strategy import build_scheduler, make_strategy
 
 __all__ = ["Trainer"]
@@ -98,7 +101,12 @@ class Trainer:
             collate function and workers, unless ``config.use_distributed_sampler`` is False.
             Every rank must get the same number of batches: the ranks compare their counts
             when an epoch starts.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor`` (mean over the batch).
+        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor`` (mean over the batch), with batches
+            of ``(inputs, targets)`` or mappings with a ``"target"`` key. Default None: the model
+            computes its own loss, as Hugging Face models do -- each batch (any mapping, tuple or
+            tensor) goes to the model whole (``model(**batch)``, ``model(*batch)`` or
+            ``model(batch)``) and the loss is the output's ``.loss``, its ``["loss"]``, or the
+            output itself when it is a scalar tensor.
         config: a :class:`TrainerConfig`. Default ``TrainerConfig()``.
         dev_data: optional loader/dataset evaluated after every epoch, gathered exactly
             (every sample once, also when some ranks have no sample); selects the best model.
@@ -127,6 +135,14 @@ class Trainer:
         hparams: extra hyper-parameters recorded in TensorBoard's hparams table.
         callbacks: :class:`dptrain.train.Callback` objects, called in order after the
             built-in ones (the NaN guard and early stopping the config asks for).
+        training_step: your own step, ``training_step(model, batch) -> loss``: ``model`` is the
+            wrapped model (call it, so that DDP averages the gradients), ``batch`` is already on
+            the device, and the loss (a scalar tensor, or an output with ``.loss``/``["loss"]``)
+            is what the Trainer scales, accumulates, back-propagates, checks for NaN and clips
+            around. Default None: :meth:`training_step`, which a subclass may override instead.
+        evaluation_step: the same for evaluation, ``evaluation_step(model, batch) -> loss or
+            {name: value}``, run without gradients; the values are averaged over every sample of
+            every rank (weighted by batch size). Default None: :meth:`evaluation_step`.
 
     Under a launcher (``dptrain run``, torchrun, ``srun``) the Trainer calls
     :func:`dptrain.init` itself when the script has not (saying so once).
@@ -155,7 +171,7 @@ class Trainer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
         train_data: Any,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         config: TrainerConfig | None = None,
         dev_data: Any = None,
         test_data: Any = None,
@@ -165,6 +181,8 @@ class Trainer:
         device: torch.device | str | None = None,
         hparams: Mapping[str, Any] | None = None,
         callbacks: Iterable[Callback] | None = None,
+        training_step: Callable[[nn.Module, Any], Any] | None = None,
+        evaluation_step: Callable[[nn.Module, Any], Any] | None = None,
     ) -> None:
         install_excepthook()  # its user errors as one line for the job: see [Note: user errors]
         self.config = config if config is not None else TrainerConfig()
@@ -176,6 +194,11 @@ class Trainer:
         self.device = torch.device(device) if device is not None else _training_device(model)
         self.loss_fn = loss_fn
         self.metric_fn = metric_fn
+        if training_step is not None:
+            self.training_step = training_step  # type: ignore[method-assign] - the instance's own step
+        if evaluation_step is not None:
+            self.evaluation_step = evaluation_step  # type: ignore[method-assign]
+        self._check_step_choices(loss_fn, metric_fn, scheduler)
         self.hparams = dict(hparams or {})
         self.strategy = make_strategy(cfg.strategy, self.world.world_size, self.device, cfg, optimizer)
         if not callable(optimizer):
@@ -188,6 +211,9 @@ class Trainer:
         joining = is_replacement()  # this process replaces a rank that died: see [Note: in-place recovery]
         with _joining_job() if joining else contextlib.nullcontext():
             self.model, self.optimizer = self.strategy.prepare(model.to(self.device), optimizer, self.world.world_size)
+        if cfg.lr_schedule is not None:
+            scheduler = functools.partial(WarmupDecay, total_steps=cfg.max_steps, warmup_steps=cfg.warmup_steps,
+                                          kind=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio)
         self.scheduler = build_scheduler(scheduler, self.optimizer, given=optimizer)
         self._setup_amp()
 
@@ -205,6 +231,9 @@ class Trainer:
         self.best_state: dict[str, torch.Tensor] | None = None  # plain-key CPU copy of the best weights
         self.resumed_from: str | None = None
         self.stop_reason: str | None = None
+        self._max_steps: int | None = None  # fit's step budget
+        self._epoch_done = False  # whether the last _train_batches reached the epoch's end
+        self._saved_step: int | None = None  # the global step of the last checkpoint written
         self._preempted_by: int | None = None
         self._preemption = PreemptionWatcher(False)
         self.log = TrainerLog(False, None, False, False)  # the real one is made by fit()
@@ -257,6 +286,63 @@ class Trainer:
             return data
         raise ValueError(f"{mode} data must be a DataLoader or a Dataset, got {type(data).__name__}")
 
+    def _check_step_choices(self, loss_fn: Any, metric_fn: Any, scheduler: Any) -> None:
+        """Refuse combinations of the step's parts that cannot mean what they seem to."""
+        cfg = self.config
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable as loss_fn(outputs, targets), or None for the model's own loss; "
+                             f"got {type(loss_fn).__name__}")
+        if metric_fn is not None and self._own_evaluation():
+            raise ValueError(
+                "metric_fn(outputs, targets) needs the Trainer's own evaluation over (inputs, targets) batches with a "
+                "loss_fn; with the model's own loss (loss_fn=None) or an evaluation_step, return the metrics from the "
+                "evaluation_step instead, e.g. Trainer(..., evaluation_step=lambda model, batch: {'loss': "
+                "model(**batch).loss, 'acc': ...})"
+            )
+        if cfg.lr_schedule is not None and scheduler is not None:
+            raise ValueError(
+                f"TrainerConfig(lr_schedule={cfg.lr_schedule!r}) builds the learning-rate schedule, and a scheduler "
+                f"was passed too; keep one of them"
+            )
+
+    def _own_evaluation(self) -> bool:
+        """Whether evaluation goes through :meth:`evaluation_step` (averaged) rather than the exact gathering."""
+        return self.loss_fn is None or "evaluation_step" in vars(self) or (
+            type(self).evaluation_step is not Trainer.evaluation_step)
+
+    # ------------------------------------------------------------------ the step --------
+    def training_step(self, model: nn.Module, batch: Any) -> Any:
+        """The loss of one (micro-)batch; override it in a subclass, or pass ``Trainer(training_step=...)``.
+
+        Args:
+            model: the wrapped model (DDP, FSDP, ...): call it, so that its gradients are averaged.
+            batch: what the loader yielded, moved to the device as a whole.
+
+        Returns:
+            A scalar tensor (the mean over the batch), or a model output holding it (``.loss``,
+            ``["loss"]``). The Trainer does the rest: AMP autocast around this call, accumulation,
+            backward, clipping, the NaN policy, the optimizer step, recovery.
+
+        The default: ``loss_fn(model(inputs), targets)`` for batches of ``(inputs, targets)``
+        when a ``loss_fn`` was given, else the loss the model computes from the whole batch.
+        """
+        if self.loss_fn is None:
+            return evaluation.forward_batch(model, batch)
+        inputs, targets = split_batch(batch)
+        return self.loss_fn(forward(model, inputs), targets)
+
+    def evaluation_step(self, model: nn.Module, batch: Any) -> Any:
+        """One batch's evaluation values when the loss comes from the model or from your own step.
+
+        Called without gradients on the evaluation copy of the model; returns a loss (a scalar
+        tensor, or an output with ``.loss``/``["loss"]``) or a mapping ``{name: value}`` of scalars.
+        :meth:`evaluate` averages every value over all samples of all ranks, each batch weighted
+        by its size. The default returns the model's own loss. (With a ``loss_fn`` and no
+        evaluation step of your own, evaluation instead gathers every output and target and
+        computes ``loss_fn`` and ``metric_fn`` over the whole set, exactly.)
+        """
+        return evaluation.forward_batch(model, batch)
+
     def _setup_amp(self) -> None:
         cfg = self.config
         self.amp_dtype = torch.float16 if cfg.amp_dtype == "float16" else torch.bfloat16
@@ -295,6 +381,7 @@ class Trainer:
         """
         self._check_finite_weights()
         path = self.checkpointer.save(self._parts.to_save(self.best_state), path, epoch=self.epoch, step=self.global_step)
+        self._saved_step = self.global_step
         self._call("on_checkpoint", path)
         return path
 
@@ -325,18 +412,28 @@ class Trainer:
                 method(self, *args)
 
     # ------------------------------------------------------------------------- fit ------
-    def fit(self, max_epochs: int) -> dict[str, Any]:
-        """Train until ``max_epochs`` epochs are done (counting epochs before a resume).
+    def fit(self, max_epochs: int | None = None, max_steps: int | None = None) -> dict[str, Any]:
+        """Train until ``max_epochs`` epochs or ``max_steps`` optimizer steps are done, whichever
+        comes first (counting what came before a resume).
 
         Every epoch: ``set_epoch``, train (with accumulation, AMP, clipping, the NaN check
         and step checkpoints), evaluate on the dev data, keep the best model, step an epoch
         scheduler, log, checkpoint every ``save_every`` epochs. At the end: evaluate the
         test data with the best model, export safetensors if asked, and return a summary.
-        A resumed run with a larger ``max_epochs`` continues to it (see
-        :mod:`dptrain.train.schedule` for what happens to the LR schedule).
+        A resumed run with a larger ``max_epochs`` or ``max_steps`` continues to it (see
+        :mod:`dptrain.train.schedule` for what happens to the LR schedule: a schedule planned
+        over the steps, such as ``TrainerConfig(lr_schedule="cosine")`` or OneCycleLR, keeps the
+        new plan and continues it from the step reached).
+
+        A step budget may end inside an epoch: the dev data is then evaluated at that step (also
+        with ``eval_every_steps``), a checkpoint is written there (with ``checkpoint_dir``), and a
+        resumed run with a larger budget continues from that batch, bit for bit.
 
         Args:
-            max_epochs: total number of epochs, >= 1.
+            max_epochs: total number of epochs, >= 1. Default None: ``TrainerConfig.max_epochs``
+                when neither budget is given here, else no limit on epochs.
+            max_steps: total number of optimizer steps, >= 1. Default None:
+                ``TrainerConfig.max_steps`` when neither budget is given here, else no limit.
 
         Returns:
             ``{"history": [per-epoch dicts], "best": {"epoch", "metric", "value"} or None,
@@ -345,12 +442,22 @@ class Trainer:
             same on every rank.
 
         Raises:
-            ValueError: ``max_epochs < 1``.
+            ValueError: no budget at all (neither argument nor ``TrainerConfig.max_epochs`` /
+                ``max_steps``), or one that is not an integer >= 1.
             NonFiniteError: with ``nan_policy="stop"``, a loss or gradient norm was not finite.
         """
-        if not isinstance(max_epochs, int) or isinstance(max_epochs, bool) or max_epochs < 1:
-            raise ValueError(f"fit(max_epochs={max_epochs!r}) needs an integer >= 1")
         cfg = self.config
+        if max_epochs is None and max_steps is None:
+            max_epochs, max_steps = cfg.max_epochs, cfg.max_steps
+        if max_epochs is None and max_steps is None:
+            raise ValueError(
+                "fit() needs a budget: fit(max_epochs=...) or fit(max_steps=...) (or TrainerConfig(max_epochs=..., "
+                "max_steps=...))"
+            )
+        for name, value in (("max_epochs", max_epochs), ("max_steps", max_steps)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"fit({name}={value!r}) needs an integer >= 1")
+        self._max_steps = max_steps
         self.log = TrainerLog(
             self.rank == 0, cfg.log_dir, cfg.progress, cfg.verbose,
             resume_step=self.global_step if self.resumed_from else None,
@@ -373,7 +480,7 @@ class Trainer:
                 with self._recovery.saving():
                     self.save_checkpoint()
             self._call("on_fit_start")
-            while self.epoch < max_epochs and self.stop_reason is None:
+            while (max_epochs is None or self.epoch < max_epochs) and self.stop_reason is None and not self._budget_spent():
                 try:
                     self._run_epoch(max_epochs)
                 except Exception as exc:
@@ -436,48 +543,72 @@ class Trainer:
         return {"history": list(self.history), "best": best, "test": test, "global_step": self.global_step,
                 "stopped": self.stop_reason}
 
-    def _run_epoch(self, max_epochs: int) -> None:
+    def _budget_spent(self) -> bool:
+        """Whether ``fit``'s step budget is used up."""
+        return self._max_steps is not None and self.global_step >= self._max_steps
+
+    def _run_epoch(self, max_epochs: int | None) -> None:
         epoch, start = self.epoch, self.batch_in_epoch
         it, num_batches = self.state.begin_epoch(self.train_loader)
-        check_equal_batches(num_batches, start, epoch, self.world, self.device)
+        if num_batches is not None and not getattr(self.train_loader, "equal_steps", False):
+            check_equal_batches(num_batches, start, epoch, self.world, self.device)
         self.model.train()
         self.log.start_epoch(epoch, max_epochs, num_batches, start)
         t0 = time.perf_counter()
         b = self._train_batches(it, start, num_batches)
         self.log.end_epoch()
-        if b != num_batches and self.stop_reason is None:
+        stopped = self.stop_reason is not None or self._budget_spent()
+        if num_batches is not None and b != num_batches and not stopped:
             raise RuntimeError(
                 f"rank {self.rank}: the train loader yielded {b} batches in epoch {epoch}, but len(loader) is "
                 f"{num_batches}; every rank must see the same number of batches (use dptrain.prepare_dataloader)"
             )
-        if b != num_batches:  # stopped mid-epoch: the checkpoint continues from this batch
+        if num_batches is None and b == start and max_epochs is None and not stopped:
+            raise RuntimeError(
+                f"rank {self.rank}: the train data yielded no batch in epoch {epoch + 1}, so fit(max_steps="
+                f"{self._max_steps}) would never reach its budget; check the data set (an empty stream?)"
+            )
+        if stopped and not self._epoch_done:  # stopped mid-epoch: the checkpoint continues from this batch
             self.state.batch_in_epoch = b
-            if self.config.checkpoint_dir:
+            if self.config.checkpoint_dir and self._saved_step != self.global_step:
                 self.save_checkpoint()
             return
         self._end_epoch(epoch, start, time.perf_counter() - t0, max_epochs)
 
-    def _train_batches(self, it: Iterable[Any], b: int, num_batches: int) -> int:
-        """Train on the epoch's remaining batches; return how many batches of the epoch are done."""
+    def _train_batches(self, it: Iterable[Any], b: int, num_batches: int | None) -> int:
+        """Train on the epoch's remaining batches; return how many batches of the epoch are done.
+
+        ``num_batches`` is None for a loader without a length (a stream): its iterator then says
+        which batch is the epoch's last (``is_last``), and every rank yields as many (see
+        :class:`dptrain.data.StreamLoader`); a rank whose share ran out yields stand-ins
+        (``is_shadow``), trained with a zero weight, as ``Join`` does.
+        """
         cfg = self.config
         accum = cfg.gradient_accumulation_steps
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         step_sums = []
         prof = self._profiler
+        self._epoch_done = False
         if prof is not None:
             prof.start()
         for batch in it:
             self._recovery.take_newcomers()  # a node let in joins here, before the next step
             if prof is not None:
                 prof.lap("data")
-            inputs, targets = split_batch(move_to_device(batch, self.device))
-            n = num_samples(targets)
-            sync = (b + 1) % accum == 0 or b + 1 == num_batches
+            shadow = bool(getattr(batch, "is_shadow", False))
+            if shadow:
+                batch = batch.batch
+            batch = move_to_device(batch, self.device)
+            n = 0 if shadow else self._samples_in(batch)
+            last = b + 1 == num_batches if num_batches is not None else bool(getattr(it, "is_last", False))
+            sync = (b + 1) % accum == 0 or last
             _interrupt.arm()  # a peer's death noted from here to the backward's end stops the step at once
             try:
                 with contextlib.nullcontext() if sync else self.strategy.no_sync(self.model):
                     with self._autocast():
-                        loss = self.loss_fn(forward(self.model, inputs), targets)
+                        loss = loss_of(self.training_step(self.model, batch), "training_step")
+                    if shadow:
+                        loss = loss * 0.0  # the gradients of a stand-in count for nothing: Join's zeros
                     if sync and self._recovery.active:
                         self._recovery.prepare_step(step_sums + [(loss.detach(), n)])
                     if prof is not None:
@@ -494,19 +625,28 @@ class Trainer:
             step_sums.append((loss.detach(), n))
             b += 1
             if sync:
-                self._after_micro_batches(b, num_batches, step_loss, step_sums, loss)
+                self._epoch_done = last
+                self._after_micro_batches(b, num_batches, step_loss, step_sums, loss, last)
                 step_loss.zero_()
                 step_sums = []
             if self.log.progress:
                 self.log.update(1, n * self.world.world_size, loss.detach())
-            if sync and self.stop_reason is not None:
+            if sync and (self.stop_reason is not None or self._budget_spent()):
                 break
             if prof is not None:
                 prof.start()  # checkpoints and logging between steps are not the next batch's wait
+        else:
+            self._epoch_done = True
         return b
 
-    def _after_micro_batches(self, b: int, num_batches: int, step_loss: torch.Tensor, step_sums: list,
-                             loss: torch.Tensor) -> None:
+    def _samples_in(self, batch: Any) -> int:
+        """The samples of one batch, for the epoch's mean loss and the samples/s."""
+        if self.loss_fn is not None and type(self).training_step is Trainer.training_step and "training_step" not in vars(self):
+            return num_samples(split_batch(batch)[1])  # (inputs, targets): as many as targets
+        return batch_size_of(batch)
+
+    def _after_micro_batches(self, b: int, num_batches: int | None, step_loss: torch.Tensor, step_sums: list,
+                             loss: torch.Tensor, last: bool) -> None:
         """The optimizer step that closes an accumulation group, and what follows it."""
         cfg, prof = self.config, self._profiler
         took = self._optimizer_step(b, num_batches, step_loss, step_sums)
@@ -517,15 +657,40 @@ class Trainer:
                 prof.report()
         if not took:
             return  # a skipped step's losses stay out of the epoch's average; nothing to save
-        if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and b < num_batches:
+        if self.global_step % cfg.log_every_steps == 0:
+            self.log.scalars({"train/step_loss": float(loss.detach()), "train/lr": self._lr()},
+                             self.global_step, self.epoch + 1)
+        final = self._budget_spent()
+        every = cfg.eval_every_steps
+        if self.dev_loader is not None and ((every and self.global_step % every == 0) or (final and (every or not last))):
+            # Evaluations by step (and at a budget's end inside an epoch); at an epoch's end
+            # without eval_every_steps, _end_epoch evaluates.
+            self._evaluate_at_step(b)
+        if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and not last:
             # A step checkpoint on the epoch's last batch is left to the end-of-epoch one,
             # which is taken after the dev evaluation (see [Note: bitwise resume]).
             self.state.batch_in_epoch = b
             with self._recovery.saving():
                 self.save_checkpoint()
-        if self.global_step % cfg.log_every_steps == 0:
-            self.log.scalars({"train/step_loss": float(loss.detach()), "train/lr": self._lr()},
-                             self.global_step, self.epoch + 1)
+
+    def _evaluate_at_step(self, b: int) -> None:
+        """Evaluate the dev data between two steps, leaving the training exactly as it was.
+
+        The RNG streams are put back afterwards (starting the dev loader draws from torch's
+        generator), so a run with step evaluations trains bit for bit like one without, and a
+        resume or an in-place recovery (whose commit precedes this) does not depend on it.
+        """
+        rng = get_rng_state()
+        try:
+            dev = self.evaluate(self.dev_loader)
+        finally:
+            set_rng_state(rng)
+        self.state.batch_in_epoch = b
+        self._update_best(dev, self.epoch + 1)
+        budget = f"/{self._max_steps}" if self._max_steps is not None else ""
+        self.log.line(f"step {self.global_step}{budget} | dev " + format_metrics(dev))
+        self.log.scalars({f"dev/{k}": v for k, v in dev.items()}, self.global_step, self.epoch + 1)
+        self._call("on_evaluate", "dev", dev)
 
     def _optimizer_step(self, batch: int, num_batches: int, step_loss: torch.Tensor, step_sums: list) -> bool:
         """Clip, check, step, record the step's losses; returns False when the step was skipped."""
@@ -579,12 +744,12 @@ class Trainer:
                 f"preempted: {signal.Signals(sig).name} reached rank {rank}; stopping after step {step} to write a checkpoint"
             )
 
-    def _end_epoch(self, epoch: int, start: int, elapsed: float, max_epochs: int) -> None:
+    def _end_epoch(self, epoch: int, start: int, elapsed: float, max_epochs: int | None) -> None:
         cfg = self.config
         # Loss averaged over every sample of every rank this epoch.
         totals = torch.stack([self.state.loss_sum,
                               torch.tensor(float(self.state.sample_count), dtype=torch.float64, device=self.device)])
-        if self.dev_loader is None:
+        if self.dev_loader is None or cfg.eval_every_steps:
             self._recovery.prepare_epoch_end()  # the buffers are final already
         comm.all_reduce(totals, op="sum")
         record: dict[str, Any] = {
@@ -594,7 +759,7 @@ class Trainer:
             "samples_per_s": float(totals[1]) / elapsed if start == 0 and elapsed > 0 else float("nan"),
             "lr": self._lr(),
         }
-        if self.dev_loader is not None:
+        if self.dev_loader is not None and not cfg.eval_every_steps:
             dev = self.evaluate(self.dev_loader, _after_sync=self._recovery.prepare_epoch_end)
             record.update({f"dev_{k}": v for k, v in dev.items()})
             self._update_best(dev, epoch + 1)
@@ -605,7 +770,7 @@ class Trainer:
         self._recovery.commit(0, prepared=True)
         self._log_epoch(record, max_epochs)
         self._call("on_epoch_end", record)
-        stopping = self.stop_reason is not None
+        stopping = self.stop_reason is not None or self._budget_spent()
         if cfg.checkpoint_dir and (
             (cfg.save_every and (self.epoch % cfg.save_every == 0 or self.epoch == max_epochs)) or stopping
         ):
@@ -615,9 +780,12 @@ class Trainer:
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _log_epoch(self, record: dict[str, Any], max_epochs: int) -> None:
+    def _log_epoch(self, record: dict[str, Any], max_epochs: int | None) -> None:
         dev = {k[4:]: v for k, v in record.items() if k.startswith("dev_")}
-        text = f"epoch {record['epoch']}/{max_epochs} | train loss {record['train_loss']:.4f}"
+        text = f"epoch {record['epoch']}" + (f"/{max_epochs}" if max_epochs is not None else "")
+        if self._max_steps is not None:
+            text += f" | step {self.global_step}/{self._max_steps}"
+        text += f" | train loss {record['train_loss']:.4f}"
         if dev:
             text += " | dev " + format_metrics(dev)
         rate = record["samples_per_s"]
@@ -642,6 +810,12 @@ class Trainer:
         (BatchNorm's running statistics), so one and the same model is evaluated everywhere.
         Collective: call it on every rank.
 
+        With the model's own loss (``loss_fn=None``), an ``evaluation_step`` of your own, or a
+        streamed data set (no sampler lists its samples), each rank runs its share through
+        :meth:`evaluation_step` (for a stream with a ``loss_fn``: ``loss_fn`` and ``metric_fn`` on
+        each batch) and every value is averaged over all samples of all ranks, each batch weighted
+        by its size.
+
         Returns:
             ``{"loss": float, **metrics}``.
         """
@@ -651,10 +825,26 @@ class Trainer:
         self.strategy.sync_buffers(self.model)  # one model state on every rank (BatchNorm statistics)
         if _after_sync is not None:
             _after_sync()
+        net = self.strategy.eval_module(self.model)
+        streamed = isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
+        if self._own_evaluation() or streamed:
+            step = self.evaluation_step if self._own_evaluation() else self._batch_metrics
+            return evaluation.evaluate_steps(step, net, loader, device=self.device, lockstep=self.strategy.lockstep_eval,
+                                             autocast=self._autocast)
         return evaluation.evaluate(
-            self.strategy.eval_module(self.model), loader, device=self.device, lockstep=self.strategy.lockstep_eval,
+            net, loader, device=self.device, lockstep=self.strategy.lockstep_eval,
             autocast=self._autocast, loss_fn=self.loss_fn, metric_fn=self.metric_fn, rank=self.rank,
         )  # fmt: skip
+
+    def _batch_metrics(self, model: nn.Module, batch: Any) -> dict[str, Any]:
+        """``loss_fn`` and ``metric_fn`` on one batch: evaluation of a stream, which cannot be gathered in order."""
+        inputs, targets = split_batch(batch)
+        out = forward(model, inputs)
+        values: dict[str, Any] = {"loss": self.loss_fn(out, targets)}
+        if self.metric_fn is not None:
+            extra = self.metric_fn(out, targets)
+            values.update(extra if isinstance(extra, Mapping) else {"metric": extra})
+        return values
 
     def _update_best(self, metrics: Mapping[str, float], epoch: int) -> None:
         key = self.config.best_metric
