@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
+import weakref
 from typing import Any
 
 from dptrain import _settings
@@ -47,6 +49,7 @@ __all__ = [
     "read_per_rank",
     "where",
     "describe_exit",
+    "OomRecord",
     "unequal_steps",
 ]
 
@@ -317,8 +320,184 @@ def _ranks(ranks: list[int], limit: int = 16) -> str:
     return f"ranks {', '.join(str(r) for r in ranks[:limit])}{more}"
 
 
-def describe_exit(code: int | None) -> str:
-    """A process's exit in words: ``exited with code 1``, ``was killed by SIGKILL (out of memory? ...)``."""
+# [Note: a rank killed by SIGKILL]
+# SIGKILL comes from a person (``kill -9``), a program (a scheduler's time limit, a launcher ending
+# a stalled rank) or the kernel's OOM killer. Saying "out of memory?" of every one sent users
+# looking for a memory problem that a ``kill -9`` never had. So an exit by SIGKILL is said as
+# that, and as "out of memory" only where the kernel says so, in what the launcher (which calls
+# :func:`describe_exit`) can read without privileges (:class:`OomRecord`):
+#
+# * the OOM kills its memory cgroup counts (``oom_kill`` in cgroup v2's ``memory.events``, or in
+#   v1's ``memory.oom_control``), the cgroup of the launcher and of the ranks it starts: a count
+#   risen since the launcher started explains one SIGKILL per kill;
+# * the kernel log (``/dev/kmsg``, readable unless ``kernel.dmesg_restrict`` is set): a line
+#   written since the launcher started that names the process ("Killed process <pid>"). The log
+#   is opened at its end as the launcher starts, so a look reads only what came since (a few
+#   records, not the whole buffer: the look is on in-place recovery's way to a replacement).
+#   Inside a container with its own process numbers the log names another number, and only the
+#   count speaks.
+#
+# Both are read only for an exit by SIGKILL, with a bound on what is read and no wait (the log is
+# read non-blocking); a file that is missing or unreadable is no evidence, never an error. A rank
+# that reads a peer's exit code from the store says only "was killed by SIGKILL".
+
+#: What one look at the kernel log reads at most (reads: a record each from /dev/kmsg; seconds).
+_KERNEL_LOG_READS = 10_000
+_KERNEL_LOG_S = 0.05
+#: The OOM killer's lines kept from the kernel log, the newest (each names the process it killed).
+_KERNEL_LOG_KEPT = 1000
+_KILLED = re.compile(r"Killed process (\d+)|^oom-kill:.*[,:]pid=(\d+)\b")
+#: What to change after a rank was killed for want of memory.
+OOM_FIX = "give each rank less to hold (a smaller batch, fewer DataLoader workers) or the job more memory"
+
+
+def _memory_cgroup_file() -> str:
+    """The file holding this process's memory cgroup's ``oom_kill`` count; "" when there is none to read."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            lines = fh.read(65536).splitlines()
+    except OSError:
+        return ""
+    candidates = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, path = parts[1], parts[2].lstrip("/")
+        if controllers == "":  # v2: one hierarchy
+            candidates += [os.path.join("/sys/fs/cgroup", path, "memory.events"), "/sys/fs/cgroup/memory.events"]
+        elif "memory" in controllers.split(","):  # v1; a container may see its own cgroup as the mount's root
+            candidates += [os.path.join("/sys/fs/cgroup/memory", path, "memory.oom_control"),
+                           "/sys/fs/cgroup/memory/memory.oom_control"]
+    return next((c for c in candidates if _oom_kills(c) is not None), "")
+
+
+def _oom_kills(path: str) -> int | None:
+    """The ``oom_kill`` count in a cgroup's ``memory.events`` or ``memory.oom_control``; None when unreadable."""
+    if not path:
+        return None
+    try:
+        with open(path) as fh:
+            text = fh.read(4096)
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "oom_kill":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _open_log_at_end(path: str) -> int | None:
+    """``path`` (the kernel log) opened non-blocking at its end, so that reads give only what is written
+    from now on; None when it cannot be read."""
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        os.lseek(fd, 0, os.SEEK_END)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _read_oom_lines(fd: int, rest: bytes) -> tuple[list[tuple[int, str]], bytes]:
+    """The OOM killer's lines among the kernel log records that follow at ``fd``, as (the pid it killed,
+    the line); ``rest``: a partial line left by the last read (a plain file is read in blocks)."""
+    found = []
+    ends = time.monotonic() + _KERNEL_LOG_S
+    for _ in range(_KERNEL_LOG_READS):  # /dev/kmsg gives one record a read, a file a block
+        try:
+            block = os.read(fd, 8192)
+        except BrokenPipeError:  # a record was overwritten before we read it: the next one follows
+            continue
+        except OSError:  # BlockingIOError: nothing more (yet)
+            break
+        if not block:
+            break
+        *records, rest = (rest + block).split(b"\n")
+        for record in records:
+            head, sep, message = record.partition(b";")  # "priority,sequence,microseconds,flags;message"
+            if not sep or head.startswith(b" "):
+                continue  # a continuation line (" KEY=value"), or not a record
+            text = message.decode("utf-8", "replace")
+            said = _KILLED.search(text)
+            if said:
+                found.append((int(said.group(1) or said.group(2)), text[:160]))
+        if time.monotonic() > ends:
+            break
+    return found, rest
+
+
+class OomRecord:
+    """What the kernel recorded of its OOM killer since this object was made, to tell an exit by
+    SIGKILL that was for want of memory from any other (see [Note: a rank killed by SIGKILL]).
+
+    Cheap to make (one small file read; the kernel log opened at its end) and to ask (only
+    :func:`describe_exit` of a SIGKILL asks; it reads what the kernel logged since); never raises,
+    never blocks.
+
+    Args:
+        memory_events: the cgroup file with the ``oom_kill`` count (default None: this process's
+            memory cgroup's, v2 ``memory.events`` or v1 ``memory.oom_control``; "": none).
+        kernel_log: the kernel log device (default None: ``/dev/kmsg``; "": none).
+
+    Example:
+        >>> oom = OomRecord()                       # as the launcher starts
+        >>> describe_exit(-9, oom, pid)             # later: 'was killed by SIGKILL', or '... out of memory ...'
+    """
+
+    def __init__(self, memory_events: str | None = None, kernel_log: str | None = None) -> None:
+        self.memory_events = _memory_cgroup_file() if memory_events is None else memory_events
+        self._start = _oom_kills(self.memory_events)  # the cgroup's count as the launcher started; None: unread
+        self._explained = self._start  # ... plus the kills that explained an exit since
+        self._log = _open_log_at_end("/dev/kmsg" if kernel_log is None else kernel_log)
+        if self._log is not None:
+            weakref.finalize(self, os.close, self._log)
+        self._rest = b""  # a partial line of the log, read before the rest of it was written
+        self._killed: list[tuple[int, str]] = []  # (pid, line): what the log said the OOM killer killed
+        self._said: dict[int, str] = {}  # pid -> what was said of it (an exit is said more than once)
+
+    def evidence(self, pid: int | None) -> str:
+        """What says that the kernel's OOM killer killed process ``pid``, in words; "" when nothing does."""
+        if pid is not None and pid in self._said:
+            return self._said[pid]
+        if self._log is not None:
+            found, self._rest = _read_oom_lines(self._log, self._rest)
+            self._killed = (self._killed + found)[-_KERNEL_LOG_KEPT:]
+        lines = [text for killed, text in self._killed if killed == pid]
+        line = next((text for text in lines if "Killed process" in text), lines[0] if lines else "")
+        said = f'the kernel log: "{line}"' if line else ""
+        now = _oom_kills(self.memory_events)
+        if now is not None and self._explained is not None and now > self._explained:
+            self._explained += 1  # one kill explains one exit
+            said = said or (f"its memory cgroup counted OOM kills since the launcher started: oom_kill {self._start} "
+                            f"-> {now} in {self.memory_events}")
+        if pid is not None:
+            self._said[pid] = said
+        return said
+
+
+def describe_exit(code: int | None, oom: OomRecord | None = None, pid: int | None = None) -> str:
+    """A process's exit in words: ``exited with code 1``, ``was killed by SIGKILL``.
+
+    Args:
+        code: the exit code as ``subprocess`` gives it (``-N``: killed by signal N; None: running).
+        oom: what the kernel recorded of its OOM killer (default None: nothing is known). Only with
+            it is a SIGKILL said to be for want of memory, when the record says so.
+        pid: the process, which the kernel log names (default None).
+
+    Returns:
+        e.g. ``was killed by SIGKILL``, or ``was killed by SIGKILL from the kernel's OOM killer, out of
+        memory (the kernel log: "Out of memory: Killed process 4242 (python) ..."); give each rank ...``.
+    """
     if code is None:
         return "is still running"
     if code < 0:
@@ -326,6 +505,8 @@ def describe_exit(code: int | None) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
-        return f"was killed by {name}{hint}"
+        why = oom.evidence(pid) if oom is not None and -code == signal.SIGKILL else ""
+        if why:
+            return f"was killed by {name} from the kernel's OOM killer, out of memory ({why}); {OOM_FIX}"
+        return f"was killed by {name}"
     return f"exited with code {code}"

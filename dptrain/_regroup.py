@@ -42,10 +42,12 @@ FINISHED = "recovery/finished"
 #: Seconds the members of a new generation wait for each other at least (see ``form``).
 ARRIVAL_WAIT_S = 120.0
 _POLL_S = 0.01  # a store check is ~0.1 ms: polling this often costs nothing and keeps recovery prompt
-# The members waiting for the others in ``form`` wake the moment the last one arrives (a store wait,
-# see _wait_briefly); between slices they look for a newer generation or the job's end. Longer than
-# _POLL_S: each slice is a wait and its cancel on the store, from every waiting member.
+# The members waiting for the others in ``form`` wake the moment the last one arrives (see [Note: waiting
+# for the others, quietly]); every slice they look for a newer generation or the job's end. Longer than
+# _POLL_S: each look is three requests to the store, from every waiting member.
 _ARRIVAL_SLICE_S = 0.05
+_ARRIVAL_MARGIN_S = 60.0  # how much longer than the member's own deadline its waiting thread's wait may last
+_NO_DEADLINE_S = 7 * 24 * 3600.0  # the same for a rank of a node let in, which has no deadline of its own
 
 
 # [Note: cutting a broken group's connections]
@@ -243,14 +245,66 @@ def wait_for_generation(keys: Any, after: int, timeout_s: float) -> int:
         time.sleep(_POLL_S)
 
 
-def _wait_briefly(keys: Any, key: str, slice_s: float) -> None:
-    """Wait until ``key`` is set, ``slice_s`` seconds at most: the store answers the moment it is set
-    (the last member to arrive sets it), so the group forms without a poll's delay; the caller
-    looks at what else may have happened in the meantime (a newer generation) after each slice."""
-    try:
-        keys.wait([key], datetime.timedelta(seconds=slice_s))
-    except RuntimeError:  # not set within the slice (torch's stores say so with an error)
-        pass
+# [Note: waiting for the others, quietly]
+# The members of a new generation wait for each other in ``form``: seconds, when a replacement is a
+# fresh interpreter importing torch. A member must go on the moment the last one arrives, and
+# meanwhile notice a newer generation (a second failure), the job's end or its own deadline. A
+# store wait in 50 ms slices did both, but every slice that passed was a timeout of torch's store
+# client, which c10d logs as two warnings ("[c10d] waitForInput: socket ... timed out after
+# 50ms"): 35 lines a second on the output of every rank that waited. Now no wait of the store is
+# ended by its timeout:
+#
+# * The member waits once for ``recovery/g<g>/wake``, which the last member to arrive sets (the
+#   store answers every waiter at once). The wait runs on a thread (:class:`_Arrivals`), over a
+#   connection of its own: on the rank's store client it would hold that client (torch serializes
+#   its calls) from the heartbeat thread, which writes through it; and on the main thread it would
+#   hold off the script's signal handlers (Ctrl-C, SIGTERM) until it ended, since a store call
+#   does not return for a signal. The main thread waits on a lock that the thread releases (its
+#   wake-up costs about 0.1 ms more than the store's answer), and looks for a newer generation,
+#   the job's end and its deadline between 50 ms slices, with ``check`` and ``add`` calls.
+# * A member that leaves the generation without the others (a newer one, the job's end, its
+#   deadline, an error) sets ``wake`` itself, which ends its own thread's wait and the others':
+#   they look, find the newer generation or the end as well, or else look every slice from then
+#   on. So no thread is left in a wait that could only time out; its timeout (past the deadline)
+#   is a bound, never a signal.
+#
+# Where no connection of its own can be made (a store that is not a TCPStore), the member looks
+# every slice from the start.
+
+
+class _Arrivals:
+    """A thread that waits, on a connection of its own to ``base``'s server, until ``key`` (among dptrain's
+    keys of ``attempt``) is set, ``wait_s`` seconds at most; see [Note: waiting for the others, quietly]."""
+
+    def __init__(self, base: Any, attempt: int, key: str, wait_s: float) -> None:
+        self._set = threading.Lock()
+        self._set.acquire()  # released by the thread when the key is set (a lock: the quickest wake-up)
+        self._seen = False
+        self._own: Any = None  # the connection, closed with this object (not on the way to the group)
+        self._thread = threading.Thread(target=self._wait, args=(base, attempt, key, wait_s), daemon=True,
+                                        name="dptrain-arrivals")
+        self._thread.start()
+
+    def _wait(self, base: Any, attempt: int, key: str, wait_s: float) -> None:
+        timeout = datetime.timedelta(seconds=wait_s)
+        try:
+            self._own = dist.TCPStore(base.host, base.port, None, False, timeout=timeout, wait_for_workers=False)
+            prefixed(self._own, attempt, _heartbeat.DPTRAIN_PART).wait([key], timeout)
+        except Exception:  # noqa: BLE001 - not a TCPStore, or its server is gone: the caller looks every slice
+            return
+        self._set.release()
+
+    def wait(self, slice_s: float) -> None:
+        """Return when the key is set, or after ``slice_s`` seconds (signals are handled meanwhile)."""
+        if self._seen:  # set and looked at already: the caller looks every slice from now on
+            time.sleep(slice_s)
+        else:
+            self._seen = self._set.acquire(timeout=slice_s)
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        """Wait until the thread, its key set, is out of the store's wait (``timeout_s`` at most: a store
+        gone ends it too, but a connection still being made may take longer)."""
+        self._thread.join(timeout_s)
 
 
 def world_at(keys: Any, world: Any, since: int, generation: int) -> Any:
@@ -305,33 +359,46 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
         if here is None:
             raise RuntimeError(f"rank {world.rank} is not in the job any more: its node was left out when the job "
                                f"went on without a node (generation {g})")
-        arrived, everyone = f"recovery/g{g}/arrived", f"recovery/g{g}/everyone"
+        arrived, wake = f"recovery/g{g}/arrived", f"recovery/g{g}/wake"
         count = int(keys.add(arrived, 1))
         if count >= here.world_size:
-            keys.set(everyone, "1")  # wakes the members waiting below at once
+            keys.set(wake, "1")  # ends the others' waits below at once
         newer = False
         # A rank of a node let in waits for the running ranks' next step boundary, however long their
         # steps take (see [Note: a node coming back] in dptrain.launcher.resize): no deadline of its own.
         newcomer = since == g and here.rank in (announcement(keys, g).get("joining") or [])
-        while count < here.world_size:
-            if keys.check([generation_key(g + 1)]):
-                newer = True
-                break
-            if keys.check([FINISHED]):
-                raise JobFinished(f"rank {here.rank}: the job finished before this rank could join it")
-            if time.monotonic() > deadline and not newcomer:
-                raise TimeoutError(
-                    f"rank {here.rank}: only {count} of {here.world_size} ranks arrived for in-place recovery "
-                    f"(generation {g}) within {wait_s:.0f}s"
-                )
-            if idle:
-                for fn in idle:
-                    with contextlib.suppress(Exception):
-                        fn(here)
-                idle = []
-            else:
-                _wait_briefly(keys, everyone, _ARRIVAL_SLICE_S)
-            count = int(keys.add(arrived, 0))
+        waiting = None  # the thread waiting for ``wake`` (see [Note: waiting for the others, quietly])
+        try:
+            while count < here.world_size:
+                if keys.check([generation_key(g + 1)]):
+                    newer = True
+                    break
+                if keys.check([FINISHED]):
+                    raise JobFinished(f"rank {here.rank}: the job finished before this rank could join it")
+                if time.monotonic() > deadline and not newcomer:
+                    raise TimeoutError(
+                        f"rank {here.rank}: only {count} of {here.world_size} ranks arrived for in-place recovery "
+                        f"(generation {g}) within {wait_s:.0f}s"
+                    )
+                if waiting is None:
+                    # Its wait outlasts this member's: ``wake`` ends it, never its timeout.
+                    waiting = _Arrivals(base, here.launch_attempt, wake, _NO_DEADLINE_S if newcomer
+                                        else deadline - time.monotonic() + _ARRIVAL_MARGIN_S)
+                if idle:
+                    for fn in idle:
+                        with contextlib.suppress(Exception):
+                            fn(here)
+                    idle = []
+                else:
+                    waiting.wait(_ARRIVAL_SLICE_S)
+                count = int(keys.add(arrived, 0))
+        finally:
+            if waiting is not None and count < here.world_size:
+                # Leaving without the others (a newer generation, the job's end, an error): end the waits of
+                # the generation's members, this one's thread's included, so that none is left to time out.
+                with contextlib.suppress(Exception):
+                    keys.set(wake, "1")
+                waiting.join()
         if newer:
             g = newest_generation(keys, g)
             continue

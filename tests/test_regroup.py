@@ -4,12 +4,23 @@ A peer that stops answering without closing its connections (a node that hangs o
 network) would hold a survivor's gloo collective for the whole collective timeout. Under in-place
 recovery the heartbeat thread of every rank looks for the launcher's announcement of a generation
 without it and cuts the broken group, so the collective fails at once and the rank recovers.
+
+And the members' wait for each other in a new generation (see [Note: waiting for the others, quietly]):
+it ends the moment the last one arrives, or for a newer generation, the job's end or the deadline, and
+no wait of torch's store client ends in a timeout, which c10d would log.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -161,27 +172,147 @@ def _store_server(kind):
     return server.port, server.close
 
 
+class _Members:
+    """Members of generation 1 of a job of ``world_size`` ranks calling ``form`` on threads, each with its own
+    client of a store server of ``kind``; the group's creation is recorded (rank -> when), not done."""
+
+    def __init__(self, kind, world_size, monkeypatch):
+        self.port, self.close = _store_server(kind)
+        self.world_size, self.formed, self.failed, self.threads = world_size, {}, {}, []
+        monkeypatch.setattr(_regroup, "_while_waiting", [])
+        monkeypatch.setattr(_regroup, "_group_sockets", {})  # what forming a group notes, kept from other tests
+        monkeypatch.setattr(_regroup, "_group_generation", [0])
+        monkeypatch.setattr(_regroup.dist, "init_process_group",
+                            lambda *a, rank, **k: self.formed.setdefault(rank, time.monotonic()))
+        self.timeout = datetime.timedelta(seconds=30)
+        self.keys = self.client()[1]
+        self.keys.set(_regroup.generation_key(1), json.dumps({"rank": 1, "why": "was killed by SIGKILL"}))
+
+    def client(self):
+        base = dist.TCPStore("127.0.0.1", self.port, None, False, timeout=datetime.timedelta(seconds=10))
+        return base, _regroup.prefixed(base, 0, "dp")
+
+    def arrive(self, rank, generation=1, since=0):
+        def member():
+            base, keys = self.client()
+            world = SimpleNamespace(rank=rank, world_size=self.world_size, launch_attempt=0)
+            try:
+                _regroup.form(base, keys, world, "gloo", self.timeout, generation, since)
+            except Exception as exc:  # noqa: BLE001 - the test looks at it
+                self.failed[rank] = (time.monotonic(), exc)
+
+        thread = threading.Thread(target=member)
+        thread.start()
+        self.threads.append(thread)
+
+    def join(self):
+        for thread in self.threads:
+            thread.join(20)
+        assert not any(t.is_alive() for t in self.threads), "a member is still in form"
+
+
+def _waiting_threads():
+    return [t for t in threading.enumerate() if t.name == "dptrain-arrivals"]
+
+
 @pytest.mark.parametrize("kind", ["dptrain", "torch"])
-def test_a_member_waiting_for_the_group_wakes_when_the_last_one_arrives_not_at_its_next_look(kind):
-    import datetime
-    import threading
-
-    port, close = _store_server(kind)
+def test_a_member_waiting_for_the_others_wakes_when_the_last_one_arrives_and_logs_no_store_timeouts(
+        kind, monkeypatch, capfd):
+    # Each slice a member waited used to end in a timeout of torch's store client, which c10d logs twice
+    # ("[c10d] waitForInput: socket ... timed out after 50ms"): 35 lines a second on a survivor's output
+    # while a replacement started. Its looks between slices are 0.5 s here: the wake-up must not wait for one.
+    monkeypatch.setattr(_regroup, "_ARRIVAL_SLICE_S", 0.5)
+    members = _Members(kind, 2, monkeypatch)
     try:
-        def client():
-            base = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10))
-            return dist.PrefixStore("attempt0/", base)
-
-        keys, last = client(), client()
-        began = time.monotonic()  # a look every half second: a wake-up must come sooner
-        for _ in range(3):  # slices that pass without the key leave the client usable
-            _regroup._wait_briefly(keys, "recovery/g1/everyone", 0.5)
-        assert time.monotonic() - began >= 1.4
-        threading.Timer(0.1, lambda: last.set("recovery/g1/everyone", "1")).start()
-        began = time.monotonic()
-        _regroup._wait_briefly(keys, "recovery/g1/everyone", 0.5)
-        assert 0.05 < time.monotonic() - began < 0.4
-        keys.set("other", "x")  # and the client still answers right
-        assert keys.get("other") == b"x" and last.get("other") == b"x"
+        members.arrive(0)
+        time.sleep(0.7)  # a slice passes
+        assert not members.formed and not members.failed
+        members.arrive(1)
+        members.join()
+        assert not members.failed, members.failed
+        assert abs(members.formed[0] - members.formed[1]) < 0.2, members.formed
+        members.keys.set("other", "x")  # the store still answers
+        assert members.keys.get("other") == b"x"
     finally:
-        close()
+        members.close()
+    logged = capfd.readouterr().err
+    assert "waitForInput" not in logged and "[c10d]" not in logged, logged[-2000:]
+    assert not _waiting_threads()
+
+
+@pytest.mark.parametrize("why", ["newer", "finished", "deadline"])
+def test_a_member_that_stops_waiting_for_another_reason_leaves_no_wait_behind(why, monkeypatch, capfd):
+    # A newer generation (the replacement died too), the job's end, the deadline: the member goes on at once,
+    # and the thread that waited for the others is gone, not left to time out in the store (and log it).
+    monkeypatch.setattr(_regroup, "ARRIVAL_WAIT_S", 1.0)
+    members = _Members("dptrain", 2, monkeypatch)
+    members.timeout = datetime.timedelta(seconds=0.5 if why == "deadline" else 30)
+    try:
+        members.arrive(0)
+        time.sleep(0.4)
+        began = time.monotonic()
+        if why == "newer":
+            members.keys.set(_regroup.generation_key(2), json.dumps({"rank": 1, "why": "exited with code 1"}))
+            members.arrive(1, generation=2, since=2)  # the second replacement
+        elif why == "finished":
+            members.keys.set(_regroup.FINISHED, "1")
+        members.join()
+    finally:
+        members.close()
+    if why == "newer":
+        assert not members.failed and sorted(members.formed) == [0, 1], (members.failed, members.formed)
+        assert members.formed[0] - began < 0.5
+    else:
+        ((when, exc),) = members.failed.values()
+        assert isinstance(exc, _regroup.JobFinished if why == "finished" else TimeoutError), exc
+        assert when - began < (0.5 if why == "finished" else 1.0)
+    logged = capfd.readouterr().err
+    assert "waitForInput" not in logged and "[c10d]" not in logged, logged[-2000:]
+    assert not _waiting_threads()
+
+
+def test_a_member_waiting_for_the_others_still_handles_signals(monkeypatch):
+    # The long wait runs on a thread: a store call does not return for a signal, and on the main thread
+    # it would hold off a script's handlers (Ctrl-C, SIGTERM) until the others came or the deadline passed.
+    class Stop(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stop
+
+    monkeypatch.setattr(_regroup, "ARRIVAL_WAIT_S", 10.0)
+    members = _Members("torch", 2, monkeypatch)
+    old = signal.signal(signal.SIGUSR1, stop)
+    try:
+        base, keys = members.client()
+        world = SimpleNamespace(rank=0, world_size=2, launch_attempt=0)
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+        began = time.monotonic()
+        with pytest.raises(Stop):
+            _regroup.form(base, keys, world, "gloo", members.timeout, 1, 0)
+        assert time.monotonic() - began < 2.0
+        assert not _waiting_threads()
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        members.close()
+
+
+def test_a_survivor_waiting_for_a_slow_replacement_prints_no_store_timeouts(tmp_path):
+    # A real in-place recovery (tests/scripts/slow_replacement.py): rank 1 kills itself with SIGKILL and its
+    # replacement takes 1.5 s to reach dptrain.init, which rank 0 spends waiting for it in the new generation.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", "--recovery", "in-place",
+           "--max-restarts", "1", os.path.join(root, "tests", "scripts", "slow_replacement.py")]
+    env = dict(os.environ, START_S="1.5", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    recovered = [line for line in out.splitlines() if "dptrain: recovered in place (generation 1)" in line]
+    assert len(recovered) == 1 and "rank 0 done at step 4" in out, out[-4000:]
+    waited = float(recovered[0].split("the survivors waited ")[1].split(" s")[0])
+    assert waited >= 1.0, recovered[0]  # it did wait for the replacement's start
+    noise = [line for line in out.splitlines() if "waitForInput" in line or "[c10d]" in line]
+    assert not noise, f"{len(noise)} lines of torch's store client, e.g. {noise[:2]}"
+    # The rank was killed by a signal, not for want of memory, and nothing says otherwise.
+    assert "rank 1 (local rank 1, pid" in out and "was killed by SIGKILL;" in out, out[-4000:]
+    assert "out of memory" not in out and "OOM" not in out, out[-4000:]

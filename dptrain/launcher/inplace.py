@@ -264,7 +264,8 @@ class InPlaceRecovery:
                 if failed is None or self.job.signals.received:
                     return failed, peer
                 # As the watch recorded it: the kernel may still be ending it (see Watch's ``early``).
-                why = self.ended.get(failed.proc.pid) or describe_exit(watch.exits[failed.rank][0])
+                why = (self.ended.get(failed.proc.pid)
+                       or describe_exit(watch.exits[failed.rank][0], self.job.oom, failed.proc.pid))
                 try:
                     replaced = self._replace(watch, attempt, failed, why, time.time())
                 except (RuntimeError, OSError):  # the store is gone (node 0 ended): the usual failure

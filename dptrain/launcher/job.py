@@ -21,7 +21,7 @@ import sys
 import uuid
 from typing import Callable
 
-from dptrain._heartbeat import EXITS_PUBLISHED, describe_exit, keys_prefix
+from dptrain._heartbeat import EXITS_PUBLISHED, OomRecord, describe_exit, keys_prefix
 from dptrain import _settings
 from dptrain._join import ranks_text, wait_for_listener
 from dptrain.launcher.inplace import InPlaceRecovery, rank_settings
@@ -244,6 +244,7 @@ class _Job:
         self.store: StoreClient | None = None
         self.elastic: Elastic | None = None
         self.warnings = Warnings(self.log)  # malformed values read from the store, each said once
+        self.oom = OomRecord()  # what tells a rank killed for want of memory from one killed by hand
         # This node's place in the current attempt; fixed unless the job is elastic.
         self.layout = Membership(node_rank=config.node_rank, rank_base=config.node_rank * config.nproc_per_node,
                                  num_nodes=config.nnodes, world_size=config.world_size, nodes=())
@@ -420,7 +421,8 @@ class _Job:
         config = self.config
         if failed is not None:
             code = failed.poll()
-            how = (self.recovery.ended.get(failed.proc.pid) if self.recovery else None) or describe_exit(code)
+            how = ((self.recovery.ended.get(failed.proc.pid) if self.recovery else None)
+                   or describe_exit(code, self.oom, failed.proc.pid))
             what = f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) {how}"
             publish(self.store, failed_key(attempt), failure_text(config.node_rank, what))
             earlier = sorted(rank for rank, (c, _) in self.watching.exits.items() if c == 0)

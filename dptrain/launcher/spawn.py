@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 from dptrain import _settings
 from dptrain._errors import RankFailedError
-from dptrain._heartbeat import describe_exit
+from dptrain._heartbeat import OomRecord, describe_exit
 from dptrain.launcher.rendezvous import RendezvousServer, loopback_ifname, wait_s
 from dptrain.launcher.workers import rank_environ, stop_processes
 
@@ -187,6 +187,7 @@ def spawn(
     if "GLOO_SOCKET_IFNAME" not in os.environ and loopback_ifname():
         extra_env.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
     procs, conns = [], []
+    oom = OomRecord()  # what tells a rank killed for want of memory from one killed by hand
     try:
         for rank in range(nprocs):
             parent_end, child_end = ctx.Pipe(duplex=False)
@@ -199,7 +200,7 @@ def spawn(
             child_end.close()
             procs.append(p)
             conns.append(parent_end)
-        return _watch_spawned(procs, conns, timeout)
+        return _watch_spawned(procs, conns, timeout, oom)
     finally:
         stop_processes([_Rank(p) for p in procs])
         for c in conns:
@@ -319,7 +320,7 @@ def _choose_start_method(fn: Callable[..., Any], args: tuple, nprocs: int) -> st
     return "fork"
 
 
-def _watch_spawned(procs, conns, timeout) -> list[Any]:
+def _watch_spawned(procs, conns, timeout, oom: OomRecord | None = None) -> list[Any]:
     n = len(procs)
     results: list[Any] = [None] * n
     done = [False] * n
@@ -355,7 +356,7 @@ def _watch_spawned(procs, conns, timeout) -> list[Any]:
             if p.exitcode == 0 and not done[rank]:
                 raise RankFailedError(f"rank {rank} of {n} exited without returning a result", rank, 0)
             if p.exitcode != 0:
-                raise RankFailedError(f"rank {rank} of {n} {describe_exit(p.exitcode)}", rank, p.exitcode)
+                raise RankFailedError(f"rank {rank} of {n} {describe_exit(p.exitcode, oom, p.pid)}", rank, p.exitcode)
         if deadline is not None and time.monotonic() >= deadline:
             running = [r for r in range(n) if not done[r]]
             raise TimeoutError(
