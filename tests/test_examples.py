@@ -270,3 +270,40 @@ def test_toy_model_uses_the_launchers_world_even_of_one(tmp_path):
     # and the saved model resumes on another number of ranks
     lines = _launch("toy_model.py", "--num_epochs", "1", "--resume", "--model_dir", str(tmp_path / "m"), cwd=str(tmp_path))
     assert any(l.endswith("replicas identical: True") for l in lines)
+
+
+# -------------------------------------------------------------------------- char GPT --
+
+
+def _char_gpt_args(tmp_path, steps: int = 12) -> list[str]:
+    return ["--config", os.path.join(EXAMPLES, "char_gpt.yaml"), "--trainer.max_steps", str(steps),
+            "--trainer.eval_every_steps", "6", "--trainer.save_every_steps", "6", "--trainer.warmup_steps", "3",
+            "--trainer.checkpoint_dir", str(tmp_path / "ckpt"), "--trainer.metrics_path", str(tmp_path / "metrics.csv"),
+            "--model.depth", "1", "--model.dim", "32", "--model.block_size", "32", "--data.num_stories", "300",
+            "--data.batch_size", "8", "--run.sample_chars", "20"]
+
+
+def test_char_gpt_streams_trains_by_steps_from_a_yaml_config_and_resumes_into_a_longer_run(tmp_path):
+    lines = _launch("char_gpt.py", *_char_gpt_args(tmp_path), cwd=str(tmp_path))
+    assert any(re.fullmatch(r"\[rank0\] step 12/12 \| dev loss [\d.]+", l) for l in lines), lines[-6:]
+    assert re.match(r"\[rank0\] [\d.]+M parameters, 12 steps, best validation loss [\d.]+ at step \d+", lines[-2])
+    assert lines[-1].startswith("[rank0] sample: 'Ada had a")
+    with open(tmp_path / "ckpt" / "config.yaml") as fh:  # the resolved settings, beside the checkpoints
+        saved = fh.read()
+    assert "max_steps: 12" in saved and "depth: 1" in saved
+    with open(tmp_path / "metrics.csv") as fh:  # the CSV tracker, chosen in the YAML file
+        rows = fh.read().splitlines()
+    assert rows[0].startswith("step,") and any(r.startswith("12,") for r in rows)
+    longer = _launch("char_gpt.py", *_char_gpt_args(tmp_path, steps=18), cwd=str(tmp_path))
+    assert any("resumed from" in l and "step 12" in l for l in longer), longer[:5]
+    assert re.match(r"\[rank0\] [\d.]+M parameters, 18 steps", longer[-2])
+
+
+def test_char_gpt_runs_under_torchrun_with_workers(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", os.path.join(EXAMPLES, "char_gpt.py"),
+           *_char_gpt_args(tmp_path, steps=6), "--data.num_workers", "2", "--trainer.amp", "false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert re.search(r"[\d.]+M parameters, 6 steps", proc.stdout), proc.stdout[-2000:]

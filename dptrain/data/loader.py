@@ -16,26 +16,23 @@ before every iteration from ``(seed, rank, epoch)``, so the random augmentations
 worker are the same in every run, different on every rank and worker, and different each
 epoch. With ``persistent_workers=True`` the workers are seeded once, at the first
 iteration, and their streams run on across epochs (still the same in every run).
+A :class:`~dptrain.data.StreamLoader` (for a stream) seeds its workers the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils.data
 
 from dptrain import comm, env
+from dptrain.data._seeds import derive_seed as _derive_seed
 from dptrain.data.sampler import DistributedSampler
+from dptrain.data.stream import StreamLoader
 
 __all__ = ["DistributedDataLoader", "prepare_dataloader", "main_process_first"]
-
-
-def _derive_seed(seed: int, rank: int, epoch: int) -> int:
-    digest = hashlib.sha256(f"dptrain-loader/{seed}/{rank}/{epoch}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class _CountingIterator:
@@ -116,7 +113,7 @@ class DistributedDataLoader(torch.utils.data.DataLoader):
 def prepare_dataloader(
     dataset: Any,
     batch_size: int | None,
-    shuffle: bool | str = True,
+    shuffle: bool | str | None = None,
     num_workers: int = 0,
     drop_last: bool = False,
     mode: str = "train",
@@ -124,18 +121,26 @@ def prepare_dataloader(
     persistent_workers: bool = False,
     pin_memory: bool | None = None,
     collate_fn: Callable | None = None,
+    uneven: str = "join",
     **kw: Any,
-) -> DistributedDataLoader:
+) -> DistributedDataLoader | StreamLoader:
     """Build the DataLoader for this rank: distributed sampler, seeds, pinning, resumable.
 
+    A stream (a ``torch.utils.data.IterableDataset``: Hugging Face ``datasets`` streaming,
+    webdataset, a generator over files) gets a :class:`~dptrain.data.StreamLoader` instead:
+    each sample read by one rank and one worker, the same number of items on every rank
+    (``uneven``), a position that resumes mid-epoch (see :mod:`dptrain.data.stream`).
+
     Args:
-        dataset: a map-style dataset.
+        dataset: a map-style dataset, or a stream (``IterableDataset``).
         batch_size: samples per batch on this rank (the global batch is
             ``batch_size * world_size``); ``None`` yields single samples.
         shuffle: shuffle each epoch (``mode="train"`` only): ``True`` (PyTorch's order),
             ``False``, or ``"lazy"`` (an order computed index by index, whose cost does not
             grow with the data set; not PyTorch's order -- see
-            :class:`~dptrain.data.DistributedSampler`). Default True.
+            :class:`~dptrain.data.DistributedSampler`). Default: True for a map-style data
+            set; a stream keeps its own order (shuffle inside it, e.g. Hugging Face's
+            ``ds.shuffle(seed=..., buffer_size=...)``; ``set_epoch`` reaches it).
         num_workers: DataLoader worker processes. Default 0 (load in this process).
         drop_last: drop the incomplete last batch *and* let the sampler cut the dataset to
             a multiple of the world size instead of padding (``mode="train"`` only).
@@ -152,20 +157,25 @@ def prepare_dataloader(
             this rank computes on a GPU (:func:`dptrain.device` is CUDA: an NCCL job, or
             CUDA present and ``init`` not told ``backend="gloo"``), else False.
         collate_fn: merges samples into a batch. Default: PyTorch's default collate.
+        uneven: a stream only: ``"join"`` (a rank whose share ran out yields
+            :class:`~dptrain.data.ShadowBatch` stand-ins until every rank is done) or
+            ``"drop"`` (every rank stops when one runs out). Default ``"join"``.
         **kw: ``num_replicas`` and ``rank`` go to the sampler (default: the current
             world); everything else (``prefetch_factor``, ``worker_init_fn``, ``timeout``,
             ``multiprocessing_context``, ...) to ``DataLoader``.
 
     Returns:
         A :class:`DistributedDataLoader`; ``loader.sampler`` is its
-        :class:`DistributedSampler`.
+        :class:`DistributedSampler`. For a stream, a :class:`~dptrain.data.StreamLoader`.
 
     Raises:
         ValueError: unknown ``mode``; ``drop_last=True`` in eval mode; a ``sampler`` or
             ``batch_sampler`` in ``kw``; ``persistent_workers`` without workers; and the
             sampler's errors (``rank`` outside the world). An empty dataset, or fewer
             samples than ranks, is no error: the ranks without samples get an empty loader
-            (``len(loader) == 0``), as with PyTorch's sampler.
+            (``len(loader) == 0``), as with PyTorch's sampler. For a stream: a bad
+            ``uneven``, ``shuffle``/``sampler`` arguments that a stream cannot honour (see
+            :class:`~dptrain.data.StreamLoader`); ``uneven="drop"`` for a map-style data set.
         RuntimeError: the launcher says the world is larger but no process group exists
             (``dptrain.init()`` not called) and ``num_replicas``/``rank`` are not given.
 
@@ -179,6 +189,16 @@ def prepare_dataloader(
     """
     if mode not in ("train", "eval"):
         raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return _prepare_stream(dataset, batch_size, shuffle, num_workers, drop_last, mode, seed, persistent_workers,
+                               pin_memory, collate_fn, uneven, kw)
+    if uneven != "join":
+        raise ValueError(
+            f"uneven={uneven!r} applies to a stream (an IterableDataset); a map-style data set is padded to equal "
+            f"shards by its sampler: use drop_last=True to cut it to a multiple of the world size instead"
+        )
+    if shuffle is None:
+        shuffle = True
     for bad in ("sampler", "batch_sampler", "shuffle_sampler"):
         if bad in kw:
             raise ValueError(
@@ -214,6 +234,30 @@ def prepare_dataloader(
         collate_fn=collate_fn,
         **kw,
     )
+
+
+def _prepare_stream(dataset, batch_size, shuffle, num_workers, drop_last, mode, seed, persistent_workers, pin_memory,
+                    collate_fn, uneven, kw) -> StreamLoader:
+    """prepare_dataloader for a stream: the same defaults (pinning, eval's rule), a StreamLoader."""
+    if shuffle:
+        env._warn_once_main(
+            f"prepare_dataloader(shuffle={shuffle!r}) does nothing for a stream ({type(dataset).__name__}): it is read "
+            f"in its own order. Shuffle inside the stream (Hugging Face: ds.shuffle(seed=..., buffer_size=...)); "
+            f"loader.set_epoch(epoch) passes the epoch on to it"
+        )
+    if mode == "eval" and drop_last:
+        raise ValueError(
+            "drop_last=True in eval mode would leave samples out of the evaluation; "
+            "use drop_last=False (the default) for exact evaluation"
+        )
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers=True needs num_workers > 0; set num_workers or drop persistent_workers")
+    if pin_memory is None:  # the device follows the job's settings, not merely CUDA's presence
+        pin_memory = env.device().type == "cuda"
+    return StreamLoader(
+        dataset, batch_size, num_workers=num_workers, drop_last=drop_last, uneven=uneven, mode=mode, seed=seed,
+        collate_fn=collate_fn, pin_memory=pin_memory, persistent_workers=persistent_workers, **kw,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager

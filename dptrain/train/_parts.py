@@ -5,8 +5,8 @@ an object with ``state_dict()``/``load_state_dict()`` (a few are small adapters 
 part that needs context: the strategy for the model and optimizer, the optimizer's fresh
 learning rates for the scheduler). Each adapter is handed the parts it serves, never the
 Trainer. Restoring walks the same dict in the same order -- model, optimizer, scheduler,
-scaler, progress, per-rank state, loader position, callbacks -- so what is saved and what is
-loaded can never drift apart.
+scaler, progress, per-rank state, loader position, callbacks, the trackers' run ids -- so what
+is saved and what is loaded can never drift apart.
 
 [Note: the best model follows the resumed state]
 ``best.pt`` is rewritten whenever the dev metric improves, so after a fall-back to an older
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from dptrain.train.config import TrainerConfig
     from dptrain.train.state import TrainState
     from dptrain.train.strategy import Strategy
+    from dptrain.train.trackers import TrackerGroup
 
 __all__ = ["StatefulParts"]
 
@@ -91,7 +92,10 @@ class _Scheduler:
         if self.config.scheduler_interval == "epoch":
             return p.epoch
         accum = self.config.gradient_accumulation_steps
-        per_epoch = -(-len(self.train_loader) // accum)
+        try:
+            per_epoch = -(-len(self.train_loader) // accum)
+        except TypeError:  # a stream without a length: only the step count is known
+            return p.global_step
         batches = p.batch_in_epoch * self.saved_world_size / self.world_size  # same samples, other shards
         return p.epoch * per_epoch + min(per_epoch, round(batches / accum))
 
@@ -155,7 +159,8 @@ class StatefulParts:
 
     def __init__(self, *, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                  scaler: Any, progress: TrainState, train_loader: Any, callbacks: list[Callback],
-                 checkpointer: Checkpointer, config: TrainerConfig, world: World) -> None:
+                 checkpointer: Checkpointer, config: TrainerConfig, world: World,
+                 trackers: TrackerGroup | None = None) -> None:
         self.strategy, self.progress, self.checkpointer, self.config = strategy, progress, checkpointer, config
         self.world_size = world.world_size
         self.model = _Model(strategy, model)
@@ -169,6 +174,9 @@ class StatefulParts:
             self.parts["scaler"] = scaler
         self.parts.update(per_rank=_PerRank(progress, model, world.rank, world.world_size),
                           train_loader=_Loader(train_loader, progress), callbacks=_Callbacks(callbacks))
+        if trackers is not None:
+            # Rank 0's run ids, so that a resume continues the same W&B / MLflow runs (see trackers.group).
+            self.parts["trackers"] = trackers
 
     def to_save(self, best_state: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """The checkpoint dict; ``best_state``: the Trainer's copy of the best weights, if any."""

@@ -29,7 +29,7 @@ class StepInfo:
 
     Attributes:
         step: the optimizer step this is (``global_step + 1`` before it is taken).
-        epoch: the epoch, counted from 1 (as in the printed lines). ``batch``: batches of the epoch done, ``num_batches``: of how many.
+        epoch: the epoch, counted from 1 (as in the printed lines). ``batch``: batches of the epoch done, ``num_batches``: of how many (None for a stream without a length).
         losses: every rank's loss of this step (sum over its micro-batches), in rank order.
         grad_norms: every rank's global gradient norm (equal on every rank under DDP/FSDP),
             or None when not computed (``nan_policy="off"`` without clipping).
@@ -41,7 +41,7 @@ class StepInfo:
     step: int
     epoch: int
     batch: int
-    num_batches: int
+    num_batches: int | None
     losses: list[float]
     grad_norms: list[float] | None
     skip: bool = False
@@ -66,7 +66,8 @@ class StepInfo:
         """E.g. ``non-finite loss at step 21 (epoch 2, batch 5 of 16) on rank(s) [1] (rank 1: loss nan)``."""
         bad_loss = [r for r, v in enumerate(self.losses) if not math.isfinite(v)]
         bad_norm = [r for r, v in enumerate(self.grad_norms or []) if not math.isfinite(v)]
-        where = f"at step {self.step} (epoch {self.epoch}, batch {self.batch} of {self.num_batches})"
+        of = f" of {self.num_batches}" if self.num_batches is not None else ""  # a stream has no length
+        where = f"at step {self.step} (epoch {self.epoch}, batch {self.batch}{of})"
         if bad_loss:
             values = ", ".join(f"rank {r}: loss {self.losses[r]:.4g}" for r in bad_loss)
             text = f"non-finite loss {where} on rank(s) {bad_loss} ({values})"

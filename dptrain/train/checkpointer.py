@@ -36,6 +36,19 @@ none of them decides what it keeps or resumes from:
 
 Only rank 0 moves files, each move with a one-line notice; a fresh start's move is agreed with
 the other ranks (they wait for it, and raise the same error if it fails).
+
+[Note: config.yaml]
+A script that reads its settings with :func:`dptrain.train.parse_config` (a YAML file plus
+command-line overrides) gets them written beside its checkpoints: when the run starts
+(:meth:`Checkpointer.prepare`), rank 0 writes the resolved settings (``cli_config.resolved()``)
+as ``config.yaml``, atomically and through no link, and ``--config config.yaml`` runs the same
+settings again. A ``config.yaml`` already there that holds the same settings is left as it is
+(a resumed or restarted run). One that differs -- or that is not a plain file: a link, a
+folder -- is kept, renamed ``config-<when>.yaml`` (when: the time it was written); if this run
+starts fresh and moves an earlier run's checkpoints into ``previous-run-<when>``, that earlier
+``config.yaml`` goes with them (a copy, when its settings were this run's). Nothing is
+deleted. Without ``parse_config`` no ``config.yaml`` is written: each checkpoint holds the
+TrainerConfig anyway (its ``config`` entry).
 """
 
 from __future__ import annotations
@@ -48,6 +61,8 @@ from typing import Any, Mapping
 
 from dptrain import checkpoint as ckpt
 from dptrain import comm, env
+from dptrain.train import _config_file, cli_config
+from dptrain.train._config_file import CONFIG_NAME
 from dptrain.train.report import on_every_rank
 
 __all__ = ["Checkpointer", "CHECKPOINT_FORMAT", "job_identity", "notice"]
@@ -132,6 +147,9 @@ class Checkpointer:
         self.world_size = world_size
         self._ours: set[str] = set()  # names of this run's checkpoints known to be readable
         self._restarted = False  # resuming only because the launcher restarted the job (resume=None)
+        self._earlier_config: str | None = None  # where prepare() kept a config.yaml that was there before
+        self._config_text: str | None = None  # config.yaml as it was already, with this run's settings
+        self._config_notice: str | None = None  # said once the start is decided (a fresh start moves the file)
 
     # -- layout -----------------------------------------------------------------------
     def path_for(self, epoch: int, step: int) -> str:
@@ -169,11 +187,44 @@ class Checkpointer:
                     f"checkpoint_dir {self.directory!r} cannot be written ({type(exc).__name__}: {exc.strerror or exc}); "
                     f"found before training started. Pass a writable TrainerConfig(checkpoint_dir=...)"
                 )
+            if error is None:
+                error = self._write_config()
         error = comm.broadcast_object(error, src=0)
         if error:
             raise on_every_rank(ckpt.CheckpointError(error))
         if self.rank == 0:
             self._warn_if_others_can_write()
+
+    def _write_config(self) -> str | None:
+        """Rank 0: write parse_config's settings as config.yaml (see [Note: config.yaml]); an error, or None."""
+        config = cli_config.resolved()
+        if config is None:
+            return None
+        path = os.path.join(self.directory, CONFIG_NAME)
+        text = _config_file.render(config)
+        self._earlier_config = self._config_text = None
+        try:
+            if _config_file.holds(path, config, text):
+                self._config_text = text
+                return None
+            if os.path.lexists(path):
+                self._earlier_config = _config_file.keep_aside(path)
+            ckpt._atomic_write(path, lambda f: f.write(text.encode()))
+        except OSError as exc:
+            return (f"writing the run's settings to {path!r} failed ({exc}); found before training started. Pass a "
+                    f"writable TrainerConfig(checkpoint_dir=...)")
+        if self._earlier_config:
+            self._config_notice = (f"{path!r} held other settings than this run's; they were kept as "
+                                   f"{self._earlier_config!r} (nothing is deleted), and this run's were written to "
+                                   f"{CONFIG_NAME}")
+        return None
+
+    def _say_config_kept(self) -> None:
+        """The notice of a config.yaml kept under another name, once the start is decided: a fresh
+        start moves it with the earlier run's checkpoints and says so instead."""
+        if self._config_notice:
+            notice(self._config_notice)
+            self._config_notice = None
 
     def _warn_if_others_can_write(self) -> None:
         # Someone who can write the directory can plant a checkpoint that a resume loads (on
@@ -343,6 +394,7 @@ class Checkpointer:
                     f"resume requested but no checkpoint was found in {self.directory!r}; training from scratch "
                     f"(check --model_dir / checkpoint_dir if you expected to continue)"
                 )
+                self._say_config_kept()
             return list(reversed(found))
         if resume is not False:
             path = os.fspath(resume)
@@ -350,6 +402,7 @@ class Checkpointer:
                 raise FileNotFoundError(f"resume={path!r}: no such checkpoint file; check the path (or pass resume='auto')")
             return [path]
         self._move_aside_earlier_run("starting fresh")
+        self._say_config_kept()
         return []
 
     def _move_aside_earlier_run(self, doing: str) -> None:
@@ -390,6 +443,14 @@ class Checkpointer:
                 aside = os.path.join(self.directory, f"{PREVIOUS_RUN}-{when}-{n}")
         for part in parts:
             os.replace(part, os.path.join(aside, os.path.basename(part)))
+        settings = ""
+        if self._earlier_config and os.path.lexists(self._earlier_config):
+            # The settings of the run just moved (config.yaml held other settings than this run's).
+            os.replace(self._earlier_config, os.path.join(aside, CONFIG_NAME))
+            self._earlier_config, self._config_notice, settings = None, None, f" with its {CONFIG_NAME}"
+        elif self._config_text is not None:  # that run had the same settings: it keeps a copy of them
+            ckpt._atomic_write(os.path.join(aside, CONFIG_NAME), lambda f: f.write(self._config_text.encode()))
+            settings = f" with a copy of its {CONFIG_NAME}"
         kept = sum(1 for d in os.listdir(self.directory) if d.startswith(PREVIOUS_RUN))
         many = ""
         if kept > 1:
@@ -402,7 +463,7 @@ class Checkpointer:
             how = "To keep runs apart, give each its own checkpoint_dir"
         notice(
             f"checkpoint_dir {self.directory!r} held checkpoints of an earlier run; {doing}, so they were moved to "
-            f"{aside!r} (nothing is deleted{many}). {how}"
+            f"{aside!r}{settings} (nothing is deleted{many}). {how}"
         )
 
     def _continue_from(self, path: str) -> None:
@@ -412,7 +473,9 @@ class Checkpointer:
             return
         if not self._holds(path):
             self._move_aside_earlier_run(f"resuming from {path!r}, outside it")
+            self._say_config_kept()
             return
+        self._say_config_kept()
         self._ours.add(os.path.basename(path))
         if self.rank == 0 and _order(path) is not None:
             for newer in ckpt.list_checkpoints(self.directory):

@@ -104,6 +104,20 @@ class TrainerConfig:
             line (``step``, ``epoch``, ``split``, ``metric``, ``value``, ``wall_time``):
             JSON lines, or CSV when the name ends in ``.csv``. Readable with
             ``pandas.read_json(path, lines=True)`` / ``pandas.read_csv(path)``. Default None.
+        loggers: experiment trackers, written by rank 0 only, one run per job (a restart, a
+            resume and an in-place recovery continue it; a failed ``fit`` marks it failed):
+            names -- ``"wandb"``, ``"mlflow"``, ``"csv"`` (the metrics file: ``metrics_path``,
+            default ``<log_dir or .>/metrics.csv``), ``"tensorboard"`` (needs ``log_dir``) -- as a
+            list or one comma-separated string, or :class:`dptrain.train.trackers.Tracker` objects.
+            Each records the resolved config once and the metrics by optimizer step. ``log_dir``
+            and ``metrics_path`` add TensorBoard and the metrics file without being named. W&B
+            and MLflow are optional extras (``pip install 'dptrain[wandb]'`` / ``'dptrain[mlflow]'``).
+            Default None. See :mod:`dptrain.train.trackers`.
+        run_name: the run's name in W&B and MLflow. Default None: the tracker draws one.
+        project: the W&B project, and the MLflow experiment. Default None: ``WANDB_PROJECT`` /
+            ``MLFLOW_EXPERIMENT_NAME``, else each tracker's default.
+        tracking_uri: MLflow's store: ``"sqlite:///mlflow.db"``, ``"http://host:5000"``, ...
+            Default None: ``MLFLOW_TRACKING_URI``, else MLflow's default.
         progress: progress on rank 0: True, False, or None (default): a live bar when a
             terminal watches (directly, or through ``dptrain run``), else (a pipe, a log file)
             a progress line every ``progress_interval_s`` seconds with the loss, samples/s and
@@ -166,6 +180,10 @@ class TrainerConfig:
     log_dir: str | None = None
     log_every_steps: int = 10
     metrics_path: str | None = None
+    loggers: Any = None  # str | list[str | Tracker] | None: see _check_trackers
+    run_name: str | None = None
+    project: str | None = None
+    tracking_uri: str | None = None
     progress: bool | None = None
     progress_interval_s: float = 5.0
     profile: bool | None = None
@@ -185,6 +203,7 @@ class TrainerConfig:
                 f"parameters too: use strategy='fsdp')"
             )
         self._check_ddp_extensions()
+        self._check_trackers()
         for name in ("batch_size", "eval_batch_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -258,6 +277,46 @@ class TrainerConfig:
             self.scheduler_interval = "step"  # the schedule is planned in optimizer steps
         if self.uneven not in ("join", "drop"):
             raise ValueError(f"TrainerConfig(uneven={self.uneven!r}) must be 'join' or 'drop'")
+
+    def _check_trackers(self) -> None:
+        """``loggers`` and the run's names: known trackers, their packages installed, found on every rank alike."""
+        import importlib.util
+
+        from dptrain.train.trackers.base import PACKAGES, TRACKER_NAMES, Tracker
+
+        for name in ("run_name", "project", "tracking_uri"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"TrainerConfig({name}={v!r}) must be a string or None")
+        spec = self.loggers
+        if spec is None:
+            return
+        if isinstance(spec, str):
+            items: list = [n.strip() for n in spec.split(",") if n.strip()]
+        elif isinstance(spec, (list, tuple)):
+            items = list(spec)
+        else:
+            raise ValueError(f"TrainerConfig(loggers={spec!r}) must be a name, a list of names and Tracker objects, "
+                             f"or None; e.g. loggers=['wandb', 'mlflow']")
+        names = []
+        for item in items:
+            if isinstance(item, Tracker):
+                names.append(item.name)
+                continue
+            if item not in TRACKER_NAMES:
+                raise ValueError(f"TrainerConfig(loggers=[{item!r}]): not one of {list(TRACKER_NAMES)}; pass one of "
+                                 f"those, or a dptrain.train.trackers.Tracker object")
+            names.append(item)
+            module, extra = PACKAGES.get(item, (None, None))
+            if module is not None and importlib.util.find_spec(module) is None:
+                raise ImportError(f"TrainerConfig(loggers=[{item!r}]) needs the {module} package, which is not "
+                                  f"installed: pip install 'dptrain[{extra}]' (or pip install {module})")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"TrainerConfig(loggers={spec!r}) names {twice} twice; give each tracker once")
+        if "tensorboard" in items and not self.log_dir:  # the name; a TensorBoardTracker object has its own
+            raise ValueError("TrainerConfig(loggers=['tensorboard']) needs a directory for the event files: set "
+                             "TrainerConfig(log_dir='runs/tb')")
 
     def _check_ddp_extensions(self) -> None:
         """``compression`` and ``overlap_optimizer``: what DDP can do, set where the Trainer manages it."""

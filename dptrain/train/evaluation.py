@@ -18,7 +18,7 @@ from torch import nn
 
 from dptrain import comm
 from dptrain._tensors import move_to_device
-from dptrain.data import gather_results
+from dptrain.data import ShadowBatch, gather_results
 
 __all__ = ["split_batch", "forward", "forward_batch", "loss_of", "batch_size_of", "num_samples", "evaluate", "evaluate_steps"]
 
@@ -122,19 +122,20 @@ def evaluate_steps(step: Callable[[nn.Module, Any], Any], net: nn.Module, loader
             batches, last = iter(loader), None
             while True:
                 batch = next(batches, None)
-                real = batch is not None and not getattr(batch, "is_shadow", False)
+                # A stream's stand-in for a rank whose share ran out: counted for nothing.
+                stand_in = batch.batch if isinstance(batch, ShadowBatch) else None
+                real = batch is not None and stand_in is None
                 if lockstep:
                     more = torch.tensor([1 if real else 0], device=device)
                     comm.all_reduce(more, op="max")
                     if not int(more.item()):
                         break
                     if not real:
-                        batch = last if last is not None else _stand_in_batch(loader)
+                        batch = stand_in if stand_in is not None else last if last is not None else _stand_in_batch(loader)
                 elif batch is None:
                     break
                 elif not real:
-                    continue  # a stream's stand-in for a rank that ran out: nothing to count
-                batch = getattr(batch, "batch", batch) if not real else batch
+                    continue  # nothing to count, and no forward the other ranks wait for
                 moved = move_to_device(batch, device)
                 with autocast():
                     values = step(net, moved)

@@ -1,7 +1,9 @@
-"""What the Trainer shows and records: progress, one line per epoch, TensorBoard, a metrics file.
+"""What the Trainer shows and records: progress, one line per epoch, and its experiment trackers.
 
 Everything here runs on rank 0 only; other ranks get a logger whose methods do nothing,
-so the training loop never branches on the rank to log.
+so the training loop never branches on the rank to log. Values go to the trackers
+(:mod:`dptrain.train.trackers`: TensorBoard, the metrics file, W&B, MLflow, your own), which
+the Trainer holds across ``fit`` calls so that their runs stay one run per job.
 
 [Note: one x-axis]
 Every scalar -- per step or per epoch, in TensorBoard and in the metrics file -- is
@@ -23,17 +25,15 @@ count every rank's samples since the previous line.
 
 from __future__ import annotations
 
-import csv
 import datetime
-import json
 import math
-import os
 import sys
 import time
 from typing import Any, Mapping
 
 from dptrain import _settings
 from dptrain.env import _warn_once_main
+from dptrain.train.trackers import TrackerGroup, make_trackers, status_of
 
 __all__ = ["TrainerLog", "format_metrics", "progress_mode"]
 
@@ -77,94 +77,43 @@ def _have_tqdm() -> bool:
     return True
 
 
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-class _MetricsFile:
-    """One record per line: JSON lines, or CSV for a ``.csv`` name. Appends, so a resumed run continues it."""
-
-    FIELDS = ("step", "epoch", "split", "metric", "value", "wall_time")
-
-    def __init__(self, path: str, resume_step: int | None) -> None:
-        self.path = path
-        self.csv = path.lower().endswith(".csv")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        if resume_step is None or not os.path.exists(path):
-            self._fh = open(path, "w", newline="")
-        else:
-            self._drop_after(resume_step)  # what a crashed attempt logged after the checkpoint
-            self._fh = open(path, "a", newline="")
-        self._writer = csv.DictWriter(self._fh, fieldnames=self.FIELDS) if self.csv else None
-        if self._writer is not None and self._fh.tell() == 0:
-            self._writer.writeheader()
-
-    def _drop_after(self, step: int) -> None:
-        with open(self.path, newline="") as fh:
-            lines = fh.readlines()
-        kept = []
-        for i, line in enumerate(lines):
-            if self.csv and i == 0:
-                kept.append(line)
-                continue
-            try:
-                row_step = int(next(csv.reader([line]))[0]) if self.csv else int(json.loads(line)["step"])
-            except (ValueError, KeyError, IndexError, StopIteration):
-                continue
-            if row_step <= step:
-                kept.append(line)
-        with open(self.path, "w", newline="") as fh:
-            fh.writelines(kept)
-
-    def write(self, step: int, epoch: int, split: str, values: Mapping[str, Any]) -> None:
-        now = time.time()
-        for metric, value in values.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                continue
-            row = {"step": step, "epoch": epoch, "split": split, "metric": metric, "value": float(value), "wall_time": now}
-            if self._writer is not None:
-                self._writer.writerow(row)
-            else:
-                # NaN/inf are written as JSON's NaN/Infinity, which pandas reads.
-                self._fh.write(json.dumps(row) + "\n")
-        self._fh.flush()
-
-    def close(self) -> None:
-        self._fh.close()
-
-
 class TrainerLog:
     """Rank 0's outputs. ``active=False`` (other ranks) turns every method into a no-op.
 
     Args:
         active: this is rank 0.
-        log_dir: TensorBoard directory or None; the writer is created at the first value,
-            so a run that fails before logging anything leaves no empty event file.
+        log_dir: TensorBoard directory or None (when ``trackers`` is not given); the writer is
+            created at the first value, so a run that fails before logging anything leaves no
+            empty event file.
         progress: ``TrainerConfig.progress``; see :func:`progress_mode`.
         verbose: print one line per epoch.
-        resume_step: the step a resumed run continues from: TensorBoard events and metrics
-            rows a crashed attempt wrote after it are dropped.
-        metrics_path: the metrics file, or None.
+        resume_step: the step training continues from (a resume, a replacement of rank 0, a
+            second ``fit``), or None: what the trackers recorded after it is dropped or kept
+            once (see :class:`~dptrain.train.trackers.TrackerGroup`).
+        metrics_path: the metrics file, or None (when ``trackers`` is not given).
         progress_interval_s: seconds between progress lines (without a terminal).
         refresh_every: batches between updates of the bar's loss and samples/s.
+        trackers: the Trainer's :class:`~dptrain.train.trackers.TrackerGroup` (its runs are
+            opened here and finalized by :meth:`close`). Default None: one made of ``log_dir``
+            and ``metrics_path``.
     """
 
     def __init__(self, active: bool, log_dir: str | None, progress: bool | None, verbose: bool,
-                 resume_step: int | None = None, metrics_path: str | None = None, progress_interval_s: float = 5.0, refresh_every: int = 10):
+                 resume_step: int | None = None, metrics_path: str | None = None, progress_interval_s: float = 5.0,
+                 refresh_every: int = 10, trackers: TrackerGroup | None = None):
         self.active = active
         self.verbose = verbose and active
         self.mode = progress_mode(progress) if active else "off"
         self.interval = progress_interval_s
         self.refresh_every = refresh_every
-        self.log_dir = log_dir if active else None
         self.resume_step = resume_step
-        self._writer = None
-        if active and log_dir:
-            try:
-                import torch.utils.tensorboard  # noqa: F401 - fail at start, not at the first scalar
-            except ImportError as exc:  # pragma: no cover - tensorboard is in the examples extra
-                raise ImportError("TrainerConfig(log_dir=...) needs the tensorboard package: pip install tensorboard") from exc
-        self.metrics = _MetricsFile(metrics_path, resume_step) if active and metrics_path else None
+        if trackers is None:
+            chosen = make_trackers(None, log_dir=log_dir, metrics_path=metrics_path) if active else []
+            trackers = TrackerGroup(chosen, active=active)
+        self.trackers = trackers
+        self._status = "success"  # how the runs end unless fit fails: see failed()
+        if active:
+            trackers.start(resume_step)
         self._bar = None
         self._epoch_text = ""
         self._total = self._done = self._start = 0
@@ -176,18 +125,10 @@ class TrainerLog:
     def progress(self) -> bool:
         return self.mode != "off"
 
-    @property
-    def writer(self):
-        if self._writer is None and self.log_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step drops events a crashed attempt wrote after the checkpoint we resume from.
-            self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=self.resume_step)
-        return self._writer
-
     # -- progress -----------------------------------------------------------------------
-    def start_epoch(self, epoch: int, num_epochs: int, total: int, initial: int) -> None:
-        self._epoch_text = f"epoch {epoch + 1}/{num_epochs}"
+    def start_epoch(self, epoch: int, num_epochs: int | None, total: int | None, initial: int) -> None:
+        """``num_epochs`` None: a step budget only; ``total`` None: a stream without a length."""
+        self._epoch_text = f"epoch {epoch + 1}" + (f"/{num_epochs}" if num_epochs is not None else "")
         self._total, self._done, self._start = total, initial, initial
         self._t0 = self._last_line = self._window_t = time.monotonic()
         self._window_samples, self._loss = 0, None
@@ -212,14 +153,14 @@ class TrainerLog:
         now = time.monotonic()
         if self._bar is not None:
             self._bar.update(n)
-            if self._done % self.refresh_every == 0 or self._done >= self._total:
+            if self._done % self.refresh_every == 0 or (self._total is not None and self._done >= self._total):
                 loss_now, rate = self._read_values(now)
                 post = {"loss": f"{loss_now:.4f}"} if loss_now is not None else {}
                 if rate is not None:
                     post["samples/s"] = f"{rate:.0f}"
                 self._bar.set_postfix(post, refresh=False)
             return
-        if now - self._last_line >= self.interval and self._done < self._total:
+        if now - self._last_line >= self.interval and (self._total is None or self._done < self._total):
             self._last_line = now
             self._print_progress_line(now)
 
@@ -233,10 +174,14 @@ class TrainerLog:
 
     def _print_progress_line(self, now: float) -> None:
         loss, samples_per_s = self._read_values(now)
-        done, total = self._done, max(self._total, 1)
-        rate = (done - self._start) / max(now - self._t0, 1e-9)  # batches per second
-        eta = (total - done) / rate if rate > 0 else float("nan")
-        text = f"{self._epoch_text} | batch {done}/{total} ({100 * done / total:.0f}%)"
+        done = self._done
+        if self._total is None:  # a stream: how far, but not how far to go
+            eta, text = float("nan"), f"{self._epoch_text} | batch {done}"
+        else:
+            total = max(self._total, 1)
+            rate = (done - self._start) / max(now - self._t0, 1e-9)  # batches per second
+            eta = (total - done) / rate if rate > 0 else float("nan")
+            text = f"{self._epoch_text} | batch {done}/{total} ({100 * done / total:.0f}%)"
         if samples_per_s is not None:
             text += f" | {samples_per_s:.0f} samples/s"
         if loss is not None:
@@ -253,45 +198,21 @@ class TrainerLog:
     # -- values and lines ----------------------------------------------------------------
     def scalars(self, values: Mapping[str, Any], step: int, epoch: int) -> None:
         """Record ``values`` (tags like ``"dev/accuracy"``) at ``step``; ``epoch`` counts from 1."""
-        if not self.active:
-            return
-        if self.log_dir:
-            for key, value in values.items():
-                if _finite_number(value):
-                    self.writer.add_scalar(key, value, step)
-        if self.metrics is not None:
-            by_split: dict[str, dict[str, Any]] = {}
-            for key, value in values.items():
-                split, _, name = key.partition("/")
-                by_split.setdefault(split, {})[name] = value
-            for split, vals in by_split.items():
-                self.metrics.write(step, epoch, split, vals)
+        self.trackers.log_metrics(values, step, epoch)
 
     def line(self, text: str) -> None:
         if self.verbose:
             print(text, flush=True)
 
     def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
-        if not (self.active and self.log_dir):
-            return
-        clean = {}
-        for key, value in hparams.items():
-            if isinstance(value, (bool, int, float, str)):
-                clean[key] = value
-            elif value is None:
-                clean[key] = "None"
-            else:
-                clean[key] = str(value)
-        scal = {f"hparam/{k}": float(v) for k, v in metrics.items() if _finite_number(v)}
-        # run_name="." keeps the hparams next to the scalars instead of in a timestamped subfolder.
-        self.writer.add_hparams(clean, scal, run_name=".")
+        """At the end of a successful ``fit``: the hyperparameters with the final metrics (TensorBoard's table)."""
+        self.trackers.log_summary(hparams, metrics)
+
+    def failed(self, exc: BaseException) -> None:
+        """``fit`` raised ``exc``: :meth:`close` ends the runs as failed (or killed, for an interruption)."""
+        self._status = status_of(exc)
 
     def close(self) -> None:
+        """End the progress bar and finalize the trackers' runs (``"success"`` unless :meth:`failed`)."""
         self.end_epoch()
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
-            self._writer = None
-        if self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
+        self.trackers.finalize(self._status)

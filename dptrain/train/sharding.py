@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils import data as tud
 
 from dptrain import comm
-from dptrain.data import prepare_dataloader
+from dptrain.data import StreamLoader, prepare_dataloader, shard_stream_loader
 from dptrain.env import _warn_once_main
 
 __all__ = ["check_equal_batches", "check_optimizer_params", "shard_train_loader"]
@@ -53,7 +53,7 @@ def _is_distributed(loader: Any) -> bool:
     return isinstance(sampler, tud.DistributedSampler) or isinstance(batches, tud.DistributedSampler)
 
 
-def shard_train_loader(loader: Any, world_size: int, seed: int, enabled: bool) -> Any:
+def shard_train_loader(loader: Any, world_size: int, seed: int, enabled: bool, uneven: str = "join") -> Any:
     """The train loader the Trainer uses on ``world_size`` ranks: ``loader``, or its sharded rebuild.
 
     Args:
@@ -61,17 +61,28 @@ def shard_train_loader(loader: Any, world_size: int, seed: int, enabled: bool) -
         world_size: ranks in the job; nothing changes on one.
         seed: the distributed sampler's shuffle seed (``TrainerConfig.seed``).
         enabled: ``TrainerConfig.use_distributed_sampler``.
+        uneven: ``TrainerConfig.uneven``, for a loader over a stream.
+
+    A plain loader over a stream (an ``IterableDataset``) is rebuilt as a
+    :class:`dptrain.data.StreamLoader` -- on one process too, whose position then resumes
+    without reading the epoch again -- unless ``enabled`` is False (the stream splits itself).
     """
+    if isinstance(loader, tud.DataLoader) and isinstance(loader.dataset, tud.IterableDataset):
+        if not enabled or isinstance(loader, StreamLoader):
+            return loader
+        rebuilt = shard_stream_loader(loader, uneven=uneven, seed=seed)
+        if world_size > 1:
+            _warn_once_main(
+                f"Trainer: the train loader reads a stream (an IterableDataset), which every rank would read whole; "
+                f"it is rebuilt as a dptrain.data.StreamLoader with the same batch size, collate_fn and workers: each "
+                f"sample goes to one of the {world_size} ranks and one worker, every rank takes the same number of "
+                f"steps (uneven={uneven!r}), and its position resumes mid-epoch. "
+                f"TrainerConfig(use_distributed_sampler=False) keeps the loader as it is"
+            )
+        return rebuilt
     if world_size == 1 or not isinstance(loader, tud.DataLoader) or _is_distributed(loader):
         return loader
     name = type(loader.sampler).__name__
-    if isinstance(loader.dataset, tud.IterableDataset):
-        _warn_once_main(
-            f"Trainer: the train loader reads an IterableDataset, which the Trainer cannot split among the "
-            f"{world_size} ranks: unless its __iter__ yields only this rank's share (dptrain.rank(), "
-            f"dptrain.world_size()), every rank trains on all of it"
-        )
-        return loader
     if not enabled:
         return loader
     if not _is_plain(loader):

@@ -27,7 +27,7 @@ from torch import nn
 
 from dptrain import _heartbeat, _interrupt, _settings, comm
 from dptrain._tensors import move_to_device
-from dptrain.data import prepare_dataloader
+from dptrain.data import ShadowBatch, prepare_dataloader
 from dptrain.env import World, _warn_once_main, device as _default_device, get_world, init, is_initialized, world_from_environ
 from dptrain.train import _parts, evaluation
 from dptrain.seeding import get_rng_state, set_rng_state
@@ -100,7 +100,10 @@ class Trainer:
             :class:`dptrain.DistributedSampler` with its batch size, shuffle, ``drop_last``,
             collate function and workers, unless ``config.use_distributed_sampler`` is False.
             Every rank must get the same number of batches: the ranks compare their counts
-            when an epoch starts.
+            when an epoch starts. A stream (an ``IterableDataset``, with or without
+            ``__len__``; or a plain DataLoader over one) is split among the ranks and loader
+            workers by a :class:`dptrain.data.StreamLoader`, every rank taking the same number
+            of steps (``config.uneven``) and resuming mid-epoch from its position.
         loss_fn: ``loss_fn(outputs, targets) -> scalar tensor`` (mean over the batch), with batches
             of ``(inputs, targets)`` or mappings with a ``"target"`` key. Default None: the model
             computes its own loss, as Hugging Face models do -- each batch (any mapping, tuple or
@@ -237,10 +240,14 @@ class Trainer:
         self._preempted_by: int | None = None
         self._preemption = PreemptionWatcher(False)
         self.log = TrainerLog(False, None, False, False)  # the real one is made by fit()
+        from dptrain.train.trackers import trackers_for
+
+        # Rank 0's experiment trackers, made before a resume restores their run ids: one run per job.
+        self.trackers = trackers_for(cfg, self.rank == 0, {**self.hparams, "world_size": self.world.world_size})
         self._parts = _parts.StatefulParts(
             strategy=self.strategy, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.scaler, progress=self.state, train_loader=self.train_loader, callbacks=self.callbacks,
-            checkpointer=self.checkpointer, config=cfg, world=self.world,
+            checkpointer=self.checkpointer, config=cfg, world=self.world, trackers=self.trackers,
         )  # fmt: skip
 
         self._recovery = InPlaceRecovery(self)
@@ -269,7 +276,8 @@ class Trainer:
         if isinstance(data, torch.utils.data.DataLoader):
             if mode != "train":
                 return data
-            return shard_train_loader(data, self.world.world_size, self.config.seed, self.config.use_distributed_sampler)
+            return shard_train_loader(data, self.world.world_size, self.config.seed, self.config.use_distributed_sampler,
+                                      self.config.uneven)
         if isinstance(data, torch.utils.data.Dataset):
             bs = self.config.batch_size if mode == "train" else (self.config.eval_batch_size or self.config.batch_size)
             if bs is None:
@@ -277,10 +285,13 @@ class Trainer:
                     f"a {type(data).__name__} was given as {mode} data but TrainerConfig(batch_size=None); set "
                     f"TrainerConfig(batch_size=...) or pass a loader from dptrain.prepare_dataloader(...)"
                 )
+            stream = isinstance(data, torch.utils.data.IterableDataset)
+            extra = {"uneven": self.config.uneven if mode == "train" else "join"} if stream else {}
             return prepare_dataloader(
-                data, batch_size=bs, shuffle=(mode == "train"), num_workers=self.config.num_workers,
+                data, batch_size=bs, shuffle=None if stream else (mode == "train"), num_workers=self.config.num_workers,
                 drop_last=False, mode=mode, seed=self.config.seed,
                 pin_memory=self.device.type == "cuda",  # pinned pages serve copies to a GPU we train on, only
+                **extra,
             )
         if isinstance(data, Iterable):
             return data
@@ -459,9 +470,10 @@ class Trainer:
                 raise ValueError(f"fit({name}={value!r}) needs an integer >= 1")
         self._max_steps = max_steps
         self.log = TrainerLog(
-            self.rank == 0, cfg.log_dir, cfg.progress, cfg.verbose,
-            resume_step=self.global_step if self.resumed_from else None,
-            metrics_path=cfg.metrics_path, progress_interval_s=cfg.progress_interval_s, refresh_every=cfg.log_every_steps,
+            self.rank == 0, None, cfg.progress, cfg.verbose,
+            # A resume, a replacement of rank 0 and a second fit all go on from this step.
+            resume_step=self.global_step if self.resumed_from or self.global_step else None,
+            progress_interval_s=cfg.progress_interval_s, refresh_every=cfg.log_every_steps, trackers=self.trackers,
         )  # fmt: skip
         self.stop_reason = None
         self._preempted_by = None
@@ -501,6 +513,7 @@ class Trainer:
             self._call("on_fit_end", summary)
             return summary
         except BaseException as exc:
+            self.log.failed(exc)  # the trackers' runs end failed (or killed), not running
             with contextlib.suppress(Exception):  # a callback's failure must not hide the real one
                 self._call("on_exception", exc)
             raise
@@ -581,7 +594,7 @@ class Trainer:
         ``num_batches`` is None for a loader without a length (a stream): its iterator then says
         which batch is the epoch's last (``is_last``), and every rank yields as many (see
         :class:`dptrain.data.StreamLoader`); a rank whose share ran out yields stand-ins
-        (``is_shadow``), trained with a zero weight, as ``Join`` does.
+        (:class:`dptrain.data.ShadowBatch`), trained with a zero weight, as ``Join`` does.
         """
         cfg = self.config
         accum = cfg.gradient_accumulation_steps
@@ -595,7 +608,7 @@ class Trainer:
             self._recovery.take_newcomers()  # a node let in joins here, before the next step
             if prof is not None:
                 prof.lap("data")
-            shadow = bool(getattr(batch, "is_shadow", False))
+            shadow = isinstance(batch, ShadowBatch)
             if shadow:
                 batch = batch.batch
             batch = move_to_device(batch, self.device)
