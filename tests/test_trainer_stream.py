@@ -106,3 +106,38 @@ def test_a_rank_killed_inside_a_stream_epoch_is_replaced_in_place_bit_for_bit(tm
         assert finals[rank]["history"] == reference[rank]["history"] and finals[rank]["step"] == reference[rank]["step"]
     assert finals[1]["pid"] != killed["pid"]
     assert torch.equal(-finals[0]["state"]["w"] * 2, torch.full((N,), 2.0))
+
+
+class _Sized(torch.utils.data.IterableDataset):
+    """A stream that knows its length (the epoch's progress and ETA can then be shown)."""
+
+    def __len__(self) -> int:
+        return 50
+
+    def __iter__(self):
+        for i in range(50):
+            yield torch.full((3,), float(i)), torch.tensor(i % 2)
+
+
+def _sized_trainer(cdir, resume):
+    import dptrain
+
+    dptrain.seed_everything(0)
+    model = torch.nn.Linear(3, 2)
+    return dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), dptrain.prepare_dataloader(_Sized(), 4),
+                           torch.nn.CrossEntropyLoss(), dptrain.TrainerConfig(checkpoint_dir=cdir, verbose=False),
+                           resume=resume)
+
+
+def test_a_stream_with_a_length_resumes_inside_an_epoch_with_the_epoch_counted_whole(tmp_path):
+    # len() of a stream loader stays the whole epoch's after a resume (unlike the sampler loader's,
+    # which counts what is left): the resumed epoch once ended with "yielded 13 batches, but 18".
+    whole = _sized_trainer(None, False)
+    whole.fit(max_epochs=2)
+    _sized_trainer(str(tmp_path), False).fit(max_steps=5)
+    resumed = _sized_trainer(str(tmp_path), True)
+    assert (resumed.global_step, resumed.batch_in_epoch) == (5, 5)
+    with pytest.warns(UserWarning, match="cannot seek"):
+        resumed.fit(max_epochs=2)
+    assert resumed.global_step == whole.global_step == 26
+    assert _same(resumed.model_state_dict(), whole.model_state_dict())

@@ -32,6 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
+from dptrain.data import StreamLoader
 from dptrain.seeding import get_rng_state, set_rng_state
 
 __all__ = ["TrainState", "reads_state"]
@@ -117,8 +118,9 @@ class TrainState:
                 sampler.load_state_dict(saved["sampler"])
             else:
                 fast_forward = start
-            if not fast_forward and num_batches is not None:
-                # The loader now yields the rest of the epoch (re-shared if the world size changed).
+            if not fast_forward and num_batches is not None and not isinstance(loader, StreamLoader):
+                # The loader now yields the rest of the epoch (re-shared if the world size changed);
+                # a stream's length stays the whole epoch's.
                 num_batches = start + len(loader)
         self._pending_loader_state = None
         it = iter(loader)

@@ -44,6 +44,7 @@ from dptrain.train.sharding import check_equal_batches, check_optimizer_params, 
 from dptrain.train.state import TrainState, reads_state
 from dptrain.train.schedule import WarmupDecay
 from dptrain.train.strategy import build_scheduler, make_strategy
+from dptrain.train.trackers import trackers_for
 
 __all__ = ["Trainer"]
 
@@ -135,7 +136,8 @@ class Trainer:
             a process group on NCCL, which only moves CUDA tensors, puts a CPU model on this
             rank's GPU (:func:`dptrain.device`). For one GPU per rank pass
             ``device=dptrain.device()`` (or move the model there first).
-        hparams: extra hyper-parameters recorded in TensorBoard's hparams table.
+        hparams: extra hyper-parameters, recorded with the settings by every tracker
+            (``config.loggers``; TensorBoard's hparams table).
         callbacks: :class:`dptrain.train.Callback` objects, called in order after the
             built-in ones (the NaN guard and early stopping the config asks for).
         training_step: your own step, ``training_step(model, batch) -> loss``: ``model`` is the
@@ -240,7 +242,6 @@ class Trainer:
         self._preempted_by: int | None = None
         self._preemption = PreemptionWatcher(False)
         self.log = TrainerLog(False, None, False, False)  # the real one is made by fit()
-        from dptrain.train.trackers import trackers_for
 
         # Rank 0's experiment trackers, made before a resume restores their run ids: one run per job.
         self.trackers = trackers_for(cfg, self.rank == 0, {**self.hparams, "world_size": self.world.world_size})
