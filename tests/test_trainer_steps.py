@@ -285,3 +285,17 @@ def test_lr_schedule_settings_are_checked_when_the_config_is_built():
     with pytest.raises(ValueError, match="builds the learning-rate schedule, and a scheduler was passed"):
         Trainer(model, opt, prepare_dataloader(TokenData(), 4), config=TrainerConfig(lr_schedule="cosine", max_steps=4),
                 scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+
+
+def test_an_iterable_without_a_length_never_steps_on_an_unfinished_accumulation_group():
+    class Batches:  # no __len__, no is_last: which batch ends the epoch is known only after it
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            return iter([(torch.randn(4, 3, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(10)])
+
+    model = nn.Linear(3, 2)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Batches(), nn.CrossEntropyLoss(),
+                      TrainerConfig(gradient_accumulation_steps=4, verbose=False))
+    with pytest.warns(UserWarning, match=r"last 2 micro-batch\(es\) of epoch 1 did not fill an accumulation group of 4"):
+        assert trainer.fit(max_epochs=1)["global_step"] == 2
+    assert all(p.grad is None for p in model.parameters())  # nothing left over for the next epoch

@@ -651,6 +651,17 @@ class Trainer:
                 prof.start()  # checkpoints and logging between steps are not the next batch's wait
         else:
             self._epoch_done = True
+            if step_sums:
+                # Only a loader that cannot say which batch is its last gets here (no length and no
+                # ``is_last``): the micro-batches after the last full accumulation group were never
+                # all-reduced, so stepping on them would part the replicas.
+                self.optimizer.zero_grad(set_to_none=True)
+                _warn_once_main(
+                    f"Trainer: the train data has no length and does not say which batch is an epoch's last, so the "
+                    f"last {len(step_sums)} micro-batch(es) of epoch {self.epoch + 1} did not fill an accumulation "
+                    f"group of {accum} and were not stepped on; use dptrain.prepare_dataloader (whose loaders say "
+                    f"it) or a data set with __len__"
+                )
         return b
 
     def _samples_in(self, batch: Any) -> int:
