@@ -286,8 +286,10 @@ def _char_gpt_args(tmp_path, steps: int = 12) -> list[str]:
 def test_char_gpt_streams_trains_by_steps_from_a_yaml_config_and_resumes_into_a_longer_run(tmp_path):
     lines = _launch("char_gpt.py", *_char_gpt_args(tmp_path), cwd=str(tmp_path))
     assert any(re.fullmatch(r"\[rank0\] step 12/12 \| dev loss [\d.]+", l) for l in lines), lines[-6:]
-    assert re.match(r"\[rank0\] [\d.]+M parameters, 12 steps, best validation loss [\d.]+ at step \d+", lines[-2])
+    assert any(re.fullmatch(r"\[rank0\] [\d.]+M parameters, 12 steps, best validation loss [\d.]+ at step \d+", l)
+               for l in lines), lines[-4:]
     assert lines[-1].startswith("[rank0] sample: 'Ada had a")
+    assert os.path.exists(tmp_path / "ckpt" / "char_gpt.pt")  # the final weights
     with open(tmp_path / "ckpt" / "config.yaml") as fh:  # the resolved settings, beside the checkpoints
         saved = fh.read()
     assert "max_steps: 12" in saved and "depth: 1" in saved
@@ -296,7 +298,7 @@ def test_char_gpt_streams_trains_by_steps_from_a_yaml_config_and_resumes_into_a_
     assert rows[0].startswith("step,") and any(r.startswith("12,") for r in rows)
     longer = _launch("char_gpt.py", *_char_gpt_args(tmp_path, steps=18), cwd=str(tmp_path))
     assert any("resumed from" in l and "step 12" in l for l in longer), longer[:5]
-    assert re.match(r"\[rank0\] [\d.]+M parameters, 18 steps", longer[-2])
+    assert any(re.match(r"\[rank0\] [\d.]+M parameters, 18 steps", l) for l in longer), longer[-4:]
 
 
 def test_char_gpt_runs_under_torchrun_with_workers(tmp_path):
