@@ -309,3 +309,70 @@ def test_char_gpt_runs_under_torchrun_with_workers(tmp_path):
     proc = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert re.search(r"[\d.]+M parameters, 6 steps", proc.stdout), proc.stdout[-2000:]
+
+
+def _rank_pids(script: str, under: int) -> list[int]:
+    """The processes running ``script`` below process ``under`` whose parent does not (ranks, not their loader workers)."""
+    def cmdline(pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                return fh.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def parent(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or script not in cmdline(entry):
+            continue
+        pid, up, ancestors = int(entry), parent(int(entry)), set()
+        while up > 1 and up not in ancestors:
+            ancestors.add(up)
+            up = parent(up)
+        if under in ancestors and script not in cmdline(parent(pid)):
+            found.append(pid)
+    return sorted(found)
+
+
+def test_char_gpt_killed_rank_is_replaced_in_place_and_ends_with_the_uninterrupted_weights(tmp_path):
+    # As a user would: `kill -9` one rank of a running job under --recovery in-place, by hand.
+    import signal
+
+    def args(where):
+        return [*_char_gpt_args(where, steps=60), "--trainer.eval_every_steps", "20", "--data.num_workers", "1"]
+
+    _launch("char_gpt.py", *args(tmp_path / "a"), cwd=str(tmp_path))
+    reference = torch.load(tmp_path / "a" / "ckpt" / "char_gpt.pt", weights_only=True)
+    cmd = [sys.executable, "-m", "dptrain", "run", "--recovery", "in-place", "--max-restarts", "2",
+           "--nproc-per-node", "2", os.path.join(EXAMPLES, "char_gpt.py"), *args(tmp_path / "b")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    job = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines, victim = [], None
+    import threading
+
+    watchdog = threading.Timer(200, job.kill)  # a hang fails the test (the read below ends with the job)
+    watchdog.start()
+    try:
+        for line in job.stdout:  # the job's own output, live: kill when the first evaluation is printed
+            lines.append(line)
+            if victim is None and "step 20/60 | dev loss" in line:
+                ranks = _rank_pids("char_gpt.py", job.pid)
+                assert len(ranks) == 2, (ranks, lines[-5:])
+                victim = ranks[-1]
+                os.kill(victim, signal.SIGKILL)
+        job.wait(timeout=150)
+    finally:
+        watchdog.cancel()
+        if job.poll() is None:
+            job.kill()
+    log = "".join(lines)
+    assert victim is not None and job.returncode == 0, log[-3000:]
+    assert "recovered in place" in log and f"pid {victim}" in log and "out of memory" not in log, log[-3000:]
+    final = torch.load(tmp_path / "b" / "ckpt" / "char_gpt.pt", weights_only=True)
+    assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
