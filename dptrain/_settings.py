@@ -17,16 +17,32 @@ lists the variables that are set and what is wrong with each (:func:`problem`).
 
 An empty value counts as unset. Variables are read afresh at each use: cheap (a dict
 lookup and a comparison), and a test or a notebook that changes ``os.environ`` is heard.
+
+[Note: opening a file dptrain did not make]
+Opening some files waits before their type can be known: a FIFO opened to read waits for a
+writer (a FIFO given as ``--secret-file`` hung the launcher for good), one opened to write waits
+for a reader, and a serial or tape device may wait for its line. So a file whose type dptrain has
+not checked is opened through :func:`open_regular`: with ``O_NONBLOCK``, where that open never
+waits, and ``O_NOCTTY``, so that a terminal never becomes the process's controlling one; the type
+is then read with ``fstat`` from the descriptor the open returned (no window between a check and
+the open for the path to change), anything but a regular file is refused as
+:class:`NotRegularFile`, naming what it is, and ``O_NONBLOCK`` is cleared so that reads and writes
+behave as usual. A file the user names is followed through links (a Kubernetes secret volume is
+a tree of links); a file dptrain names itself inside a folder is not (``follow=False``): a link
+planted there would send what dptrain writes to somewhere else.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import stat
 import sys
 from typing import Any, Callable, Mapping
 
-__all__ = ["SETTINGS", "Setting", "SettingError", "get", "default", "problem", "shown", "check_all"]
+__all__ = ["SETTINGS", "Setting", "SettingError", "get", "default", "problem", "shown", "check_all",
+           "NotRegularFile", "open_regular", "file_kind"]
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
@@ -202,8 +218,11 @@ def problem(name: str, raw: str) -> str | None:
         setting.parse(raw.strip())
     except ValueError:
         shown = f"{name} ({len(raw.strip())} characters, not shown)" if setting.kind == "secret" else f"{name}={raw!r}"
-        return (f"{shown} is not {setting.what()}; unset it (default: {_default_text(setting)}) "
-                f"or set e.g. {name}={setting.example}")
+        wrong = f"is not {setting.what()}"
+        if setting.kind == "file":  # there, but not a file (a FIFO, a directory): say what it is
+            kind = _kind_at(os.path.expanduser(raw.strip()), follow=True)
+            wrong = f"is {kind}, not a regular file" if kind is not None else wrong
+        return f"{shown} {wrong}; unset it (default: {_default_text(setting)}) or set e.g. {name}={setting.example}"
     return None
 
 
@@ -257,6 +276,94 @@ def check_all(environ: Mapping[str, str] | None = None) -> None:
     more = "" if len(bad) == 1 else f" (also wrong: {', '.join(t.split('=', 1)[0] for t in bad[1:])})"
     _install_hook()
     raise SettingError(bad[0] + more)
+
+
+# -- files dptrain did not make: opened without waiting, refused unless regular ----------------
+#: What a file is, in words, by the first test of its mode that holds.
+_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISLNK, "a symbolic link"))
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # 0 where there is none (Windows), and no FIFO to wait on either
+
+
+class NotRegularFile(OSError):
+    """The path of a file dptrain was to open names something else; ``kind`` says what ("a FIFO
+    (named pipe)", "a directory", "a symbolic link to a FIFO (named pipe)", ...). An ``OSError``,
+    as the open's own errors are."""
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"{kind}, not a regular file", path)
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return f"{self.filename} is {self.kind}, not a regular file"
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words: "a regular file", "a FIFO (named pipe)", ..."""
+    return next((words for test, words in _KINDS if test(mode)), f"a file of type {stat.S_IFMT(mode):o}")
+
+
+def _kind_at(path: str, follow: bool) -> str | None:
+    """What ``path`` is, in words ("a symbolic link to a directory" for a followed link); None where it is not there."""
+    try:
+        kind = file_kind((os.stat if follow else os.lstat)(path).st_mode)
+        if follow and os.path.islink(path):
+            kind = f"a symbolic link to {kind}"
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return None
+    return kind
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o666, follow: bool = True) -> int:
+    """Open ``path`` as ``os.open`` does, refusing anything but a regular file, without ever waiting
+    on what it turns out to be (see [Note: opening a file dptrain did not make]).
+
+    Args:
+        path: the file.
+        flags: ``os.open``'s flags (default ``O_RDONLY``); ``O_NONBLOCK``, ``O_NOCTTY`` and
+            ``O_CLOEXEC`` are added, and ``O_NONBLOCK`` is cleared again once the file is known to be regular.
+        mode: the permissions of a file ``O_CREAT`` makes (default 0o666, less the umask).
+        follow: follow a link at ``path`` itself (default True: a file the user names); False for a
+            file dptrain names inside a folder, where a link is refused as "a symbolic link".
+
+    Returns:
+        The file descriptor (the caller closes it).
+
+    Raises:
+        NotRegularFile: ``path`` is a FIFO, a directory, a device, a socket, or (``follow=False``) a link.
+        OSError: the open's own errors (the file is missing, permission denied, ...).
+
+    Example:
+        >>> open_regular("/dev/null")
+        Traceback (most recent call last):
+        dptrain._settings.NotRegularFile: /dev/null is a character device, not a regular file
+    """
+    extra = _NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow:
+        extra |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags | extra, mode)
+    except OSError as exc:
+        # Not opened, and for want of its type: a FIFO to write without a reader (ENXIO), a
+        # directory to write (EISDIR), a socket (ENXIO), a link under O_NOFOLLOW (ELOOP).
+        kind = _kind_at(path, follow)
+        if kind is not None and kind != "a regular file" and exc.errno != errno.ENOENT:
+            raise NotRegularFile(path, kind) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = file_kind(info.st_mode)
+            raise NotRegularFile(path, f"a symbolic link to {kind}" if follow and os.path.islink(path) else kind)
+        if _NONBLOCK:
+            import fcntl  # POSIX only, as O_NONBLOCK is
+
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # -- an uncaught SettingError as its one line ------------------------------------------------

@@ -15,8 +15,10 @@ For a model wrapped in :class:`dptrain.FullyShardedDataParallel` the Trainer sto
 so the file loads into a plain model like any other), and each rank's optimizer shard in a
 file of its own next to it, ``rank<r>-of-<N>.<checkpoint name>``, written by that rank: no rank
 ever holds another rank's shard. The shard files are written first and the checkpoint
-itself last, so the checkpoint's (atomic) appearance is what makes the set complete;
-shard files without their checkpoint are leftovers of an interrupted save and are removed.
+itself last, so the checkpoint's (atomic) appearance is what makes the set complete. A
+shard file without its checkpoint is an interrupted save's leftover -- or another job's save
+in progress: the clean-up at start removes only those that name its own job (see [Note: what
+the clean-up at start may delete]).
 """
 
 from __future__ import annotations
@@ -24,19 +26,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import hashlib
 import io
 import os
 import pickle
 import re
 import secrets
 import shutil
+import socket
 import stat
+import zipfile
 from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from dptrain import _torch_version, env
+from dptrain import _proc, _torch_version, env
 
 __all__ = [
     "CheckpointError",
@@ -62,6 +67,10 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _TMP_MARK = ".tmp-"
 _NAME_RE = re.compile(r"^ckpt-e(\d+)-s(\d+)\.pt$")
 _SHARD_RE = re.compile(r"^rank(\d+)-of-(\d+)\.(ckpt-e\d+-s\d+\.pt)$")
+#: A temporary file as _open_temp names it: .<name>.tmp-<pid>-<start>-<machine>[-<random>].
+_TEMP_RE = re.compile(r"^\.(.+)\.tmp-(\d+)-(\d+)-([0-9a-f]{8})(?:-[0-9a-f]{8})?$")
+#: One as dptrain named them before they said their writer's start and machine: .<name>.tmp-<pid>[-<random>].
+_OLD_TEMP_RE = re.compile(r"^\..+\.tmp-\d+(?:-[0-9a-f]{8})?$")
 
 
 class CheckpointError(RuntimeError):
@@ -152,15 +161,17 @@ def _looks_like_full_disk(directory: str, needed: int) -> bool:
 
 
 # [Note: the temporary file]
-# The temporary's name is predictable (``.<name>.tmp-<pid>``, so that the clean-up at start
-# finds what a killed writer left). In a directory that others can write, someone could
-# plant a symlink under that name, pointing at a file of the writer's (root's), and have
-# the checkpoint written through it. So the temporary is created by the open itself
-# (O_CREAT | O_EXCL | O_NOFOLLOW, as the shared-memory segments are): an entry already of
-# that name -- a link, a leftover -- makes the open fail rather than be followed or reused,
-# and the writer takes a random name beside it. The bytes then go through that descriptor
-# (torch.save takes the file object), never through the name again; the rename moves the
-# directory entry itself, which follows no link.
+# The temporary's name is predictable, ``.<name>.tmp-<pid>-<start>-<machine>``: the writer's
+# pid, when it started (clock ticks after boot, as ``/proc/<pid>/stat`` says) and 8 hex digits
+# of its host name and PID namespace, so that the clean-up at start can tell whether the
+# process that wrote it is gone (see [Note: what the clean-up at start may delete]). In a
+# directory that others can write, someone could plant a symlink under that name, pointing at
+# a file of the writer's (root's), and have the checkpoint written through it. So the
+# temporary is created by the open itself (O_CREAT | O_EXCL | O_NOFOLLOW, as the shared-memory
+# segments are): an entry already of that name -- a link, a leftover -- makes the open fail
+# rather than be followed or reused, and the writer takes a random name beside it. The bytes
+# then go through that descriptor (torch.save takes the file object), never through the name
+# again; the rename moves the directory entry itself, which follows no link.
 
 _NEW_FILE = os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -190,9 +201,32 @@ def _open_new(path: str, flags: int) -> int:
     return os.open(path, flags | _NEW_FILE, 0o666)
 
 
+def _machine() -> str:
+    """This host and PID namespace as 8 hex digits: a pid means one process only within them."""
+    pidns = _proc.identity()[0]
+    return hashlib.blake2s(f"{socket.gethostname()}\0{pidns}".encode(), digest_size=4).hexdigest()
+
+
+_WRITER: tuple[int, str] | None = None  # (pid, "<pid>-<start>-<machine>") of this process, once known
+
+
+def _temp_name(name: str, pid: int | None = None, started: int | None = None) -> str:
+    """The temporary file's name for ``name`` (see [Note: the temporary file]); ``pid`` and
+    ``started`` name another process than this one."""
+    global _WRITER
+    if pid is None:
+        if _WRITER is None or _WRITER[0] != os.getpid():  # a forked child is another writer
+            me = os.getpid()
+            _WRITER = (me, f"{me}-{_proc.start_time(me) or 0}-{_machine()}")
+        writer = _WRITER[1]
+    else:
+        writer = f"{pid}-{started or 0}-{_machine()}"
+    return f".{name}{_TMP_MARK}{writer}"
+
+
 def _open_temp(directory: str, name: str) -> _TempFile:
     """A file that this call creates next to ``name`` (see [Note: the temporary file])."""
-    base = os.path.join(directory, f".{name}{_TMP_MARK}{os.getpid()}")
+    base = os.path.join(directory, _temp_name(name))
     candidate = base
     for _ in range(8):
         try:
@@ -406,6 +440,85 @@ def _unusable(path: str) -> str | None:
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fd)
         return _not_regular(st.st_mode) or _damage(fh, st.st_size)
+
+
+# [Note: whose checkpoint a file is, read without loading it]
+# Whether pruning may delete a file under a checkpoint's name depends on whose it is: its
+# ``job`` entry. A file that another job, or anyone else, put into the directory must not be
+# unpickled by torch.load for that (on torch < 2.10 a crafted file can run code that way, see
+# [Note: weights_only on older torch]), nor read whole (gigabytes of weights). torch.save
+# writes a zip archive whose ``<name>/data.pkl`` record holds the structure -- dicts, lists,
+# numbers, strings, and a reference per tensor whose bytes lie in records of their own.
+# ``_peek`` reads only that record, stored uncompressed, with an unpickler that imports
+# nothing: every class or function it names is an inert ``_Opaque``, every tensor reference
+# None. It returns the plain top-level entries; nothing of the file runs, and no tensor is read.
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class _Opaque:
+    """What a peek builds in place of any object it was asked to import: it takes anything and does nothing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __setstate__(self, state) -> None:
+        pass
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+    def append(self, value) -> None:
+        pass
+
+    def extend(self, values) -> None:
+        pass
+
+
+class _Peeker(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> type:
+        return _Opaque  # nothing is imported, so nothing of the file runs
+
+    def persistent_load(self, pid) -> None:
+        return None  # a tensor's bytes: not read
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, (str, int, float, bool, type(None))) for v in value)
+    return isinstance(value, (str, int, float, bool, type(None)))
+
+
+def _peek(path: str) -> tuple[dict[str, Any], str | None]:
+    """The plain top-level entries of checkpoint ``path`` (``format``, ``job``, ``world_size``, ...)
+    and None; or ``({}, why)`` when it cannot be a checkpoint (see [Note: whose checkpoint a file is,
+    read without loading it]). Follows no link: a link under a checkpoint's name is not one of ours."""
+    try:
+        fd = os.open(path, _READ | _NOFOLLOW)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            if stat.S_ISLNK(os.lstat(path).st_mode):
+                return {}, f"is a symbolic link (to {os.readlink(path)!r}), which dptrain does not follow"
+        return {}, f"cannot be opened ({exc.strerror or exc})"
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        problem = _not_regular(st.st_mode) or _damage(fh, st.st_size)
+        if problem:
+            return {}, problem
+        try:
+            fh.seek(0)
+            with zipfile.ZipFile(fh) as archive:
+                index = next((i for i in archive.infolist() if i.filename.count("/") == 1
+                              and i.filename.endswith("/data.pkl")), None)
+                if index is None or index.compress_type != zipfile.ZIP_STORED:
+                    return {}, "is a zip archive but not a PyTorch checkpoint (it has no uncompressed data.pkl)"
+                with archive.open(index) as record:
+                    top = _Peeker(record).load()
+        except Exception as exc:  # noqa: BLE001 - any bytes may be there: zip, pickle, recursion errors
+            return {}, f"is corrupt: its index (data.pkl) does not decode ({type(exc).__name__})"
+    if not isinstance(top, dict):
+        return {}, "is not a dptrain checkpoint: what it holds is not a plain dict"
+    return {k: v for k, v in top.items() if isinstance(k, str) and _plain(v)}, None
 
 
 _ZIP_START, _ZIP_END = b"PK\x03\x04", b"PK\x05\x06"  # a zip's first record; its end-of-directory record
@@ -671,7 +784,9 @@ def _shards_of(directory: str, name: str) -> list[str]:
 def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[str]:
     """Delete all but the newest ``keep_last`` checkpoints (and their shard files); return what was removed.
 
-    ``keep_last <= 0`` keeps everything.
+    ``keep_last <= 0`` keeps everything. Every ``ckpt-*`` file of ``directory`` counts, whichever
+    job wrote it: the Trainer's own pruning (``TrainerConfig(keep_last=...)``) deletes only its
+    run's checkpoints instead.
     """
     directory = os.fspath(directory)
     removed = []
@@ -685,21 +800,141 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[str]
     return removed
 
 
-def remove_stale_temporaries(directory: str | os.PathLike) -> list[str]:
-    """Delete what an interrupted save left behind; return the names removed.
+# [Note: what the clean-up at start may delete]
+# A checkpoint directory is not only dptrain's: a user keeps files there, and another job may
+# be writing into it at this very moment, from this machine or, over a network filesystem,
+# from another. The clean-up that a run does at start therefore deletes only what is certainly
+# a leftover of a save that cannot finish any more:
+#
+# * a temporary file named exactly as ``_temp_name`` names them, whose machine is this one,
+#   and whose writer is gone: no process has its pid, or that process is a zombie, or it
+#   started at another time than the writer did (the pid was reused). A regular file only.
+# * a shard file whose checkpoint is missing and whose ``job`` entry names the job that
+#   cleans up (that job's save was interrupted: none of its saves runs while it starts).
+#
+# Everything else is left where it is, and named (see ``_sweep``): a user's file that merely
+# looks like ours (``.notes.tmp-keep`` is not one of ``_TEMP_RE``'s names, and is not even
+# named), a temporary whose writer runs -- another job's save in flight, which would fail at
+# its rename -- one from another machine or container (whose processes cannot be seen from
+# here: the Checkpointer has the first rank there sweep its own machine's), one named as
+# dptrain named temporaries before, which says neither machine nor start, a shard file of
+# another job or of one that nothing names.
 
-    That is temporary files of a writer killed mid-save, and shard files whose checkpoint
-    was never completed. Only call it when no save is in progress (the Trainer does at
-    start, on rank 0).
-    """
-    directory = os.fspath(directory)
-    removed = []
-    if os.path.isdir(directory):
-        names = set(os.listdir(directory))
-        for name in sorted(names):
-            m = _SHARD_RE.match(name)
-            if (name.startswith(".") and _TMP_MARK in name) or (m and m.group(3) not in names):
+
+def _writer_gone(pid: int, started: int) -> bool:
+    """Whether process ``pid`` of this machine, which started at ``started`` (clock ticks after
+    boot; 0: unknown), has ended. False where that cannot be told."""
+    if pid <= 0:
+        return False  # 0 and below name process groups, not one process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # another user's process: it exists
+    except (OSError, OverflowError):
+        return False
+    now = _proc.start_time(pid)
+    if now is None:  # no /proc, or it hides other users' processes
+        return False
+    return not _proc.running(pid) or (started != 0 and now != started)
+
+
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` that is not a regular file is: "a symbolic link", "a FIFO (named pipe)", ..."""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return next((name for test, name in _KINDS if test(mode)), "something other than a regular file")
+
+
+def _temp_machine(name: str) -> str | None:
+    """The machine (see ``_machine``) that wrote temporary file ``name``; None for another name."""
+    m = _TEMP_RE.match(name)
+    return m.group(4) if m else None
+
+
+def _sweep(directory: str, job: str | None, everything: bool = True) -> tuple[list[str], list[tuple[str, str]]]:
+    """What the clean-up at start removes from ``directory``, and what it leaves that looks like
+    dptrain's, as ``(removed names, [(name, why it is left)])`` (see [Note: what the clean-up at
+    start may delete]). ``job``: the job that cleans up (None: no shard file is removed).
+    ``everything=False``: only this machine's temporary files (another rank sweeps the rest)."""
+    removed: list[str] = []
+    left: list[tuple[str, str]] = []
+    if not os.path.isdir(directory):
+        return removed, left
+    names = set(os.listdir(directory))
+    here = _machine()
+    for name in sorted(names):
+        path = os.path.join(directory, name)
+        temp, shard = _TEMP_RE.match(name), _SHARD_RE.match(name)
+        if temp:
+            pid, started, machine = int(temp.group(2)), int(temp.group(3)), temp.group(4)
+            if machine != here:
+                if everything:
+                    left.append((name, f"was written by process {pid} on another machine or container, "
+                                       f"whose processes cannot be seen from here"))
+                continue
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue  # its writer renamed or removed it meanwhile
+            if not stat.S_ISREG(mode):
+                left.append((name, f"is {_kind(mode)}, not a file that dptrain writes"))
+            elif not _writer_gone(pid, started):
+                left.append((name, f"is being written by process {pid}, which is running (a save in progress)"))
+            else:
                 with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(directory, name))
+                    os.remove(path)
                     removed.append(name)
-    return removed
+        elif not everything:
+            continue
+        elif _OLD_TEMP_RE.match(name):
+            left.append((name, "is named as earlier dptrain versions named their temporary files, which say "
+                               "neither the machine nor the start of their writer"))
+        elif shard and shard.group(3) not in names:
+            entries, problem = _peek(path)
+            if problem is None and job is not None and entries.get("job") == job:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                    removed.append(name)
+                continue
+            if problem:
+                whose = f"that cannot be read (it {problem})"
+            elif "job" not in entries:
+                whose = "that names no job (written by an earlier dptrain)"
+            elif entries["job"] is None:
+                whose = "of a job that nothing names (a plain python run, dptrain.spawn), maybe another one"
+            else:
+                whose = f"of job {entries['job']}"
+            left.append((name, f"is a shard file {whose} without its checkpoint: a save in progress, or an "
+                               f"interrupted one"))
+    return removed, left
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, job: str | None = None) -> list[str]:
+    """Delete what interrupted saves left in ``directory`` and nothing else; return the names removed.
+
+    That is the temporary files that dptrain's writers on this machine left when they were
+    killed mid-save (named ``.<name>.tmp-<pid>-<start>-<machine>``; removed only once that
+    process is gone), and the shard files of job ``job`` whose checkpoint was never written.
+    A file that merely looks like one of those, a temporary that a running process (another
+    job) is still writing, one of another machine, and another job's shard files are left
+    where they are. Call it when no save of ``job`` is in progress (the Trainer does at start,
+    and names what it removed and what it left).
+
+    Args:
+        directory: the checkpoint directory; a missing one holds nothing.
+        job: what names the job that cleans up (``dptrain.train.checkpointer.job_identity()``),
+            whose orphan shard files are removed. Default None: no shard file is removed.
+
+    Returns:
+        The names removed, sorted.
+
+    Raises:
+        OSError: the directory cannot be listed.
+
+    Example:
+        >>> checkpoint.remove_stale_temporaries("ckpt")
+        ['.ckpt-e0003-s000000120.pt.tmp-4242-1718-1f2e3d4c']
+    """
+    return _sweep(os.fspath(directory), job)[0]

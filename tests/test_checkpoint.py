@@ -145,11 +145,13 @@ def test_kill_during_save_leaves_the_previous_checkpoint_whole(tmp_path, where):
         proc.stdout.close()
     tmp = os.path.basename(event[1])
     # The kill landed inside the save of version 3: its temporary is there, c.pt is not touched.
-    assert tmp == f".c.pt.tmp-{proc.pid}" and sorted(os.listdir(tmp_path)) == sorted([tmp, "c.pt", "writer.py"])
+    named = checkpoint._TEMP_RE.match(tmp)  # .c.pt.tmp-<pid>-<start>-<machine>: whose it is, exactly
+    assert named and named.group(1, 2, 4) == ("c.pt", str(proc.pid), checkpoint._machine()), tmp
+    assert sorted(os.listdir(tmp_path)) == sorted([tmp, "c.pt", "writer.py"])
     back = checkpoint.load(path)
     assert back["v"] == 2 and torch.equal(back["t"], torch.full((250_000,), 2.0))
     assert checkpoint.list_checkpoints(tmp_path) == []  # only ckpt-* names are listed
-    assert checkpoint.remove_stale_temporaries(tmp_path) == [tmp]
+    assert checkpoint.remove_stale_temporaries(tmp_path) == [tmp]  # its writer is gone
     assert sorted(os.listdir(tmp_path)) == ["c.pt", "writer.py"]
 
 

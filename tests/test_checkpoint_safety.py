@@ -216,9 +216,9 @@ def _fresh_start_on_two_ranks(rank, moves, fails):
 
     real_replace, real_mkdir = os.replace, os.mkdir
 
-    def slow_replace(src, dst):
+    def slow_replace(src, dst, **kwargs):  # kwargs: the folder moved into (dst_dir_fd)
         time.sleep(0.2)  # rank 1 must wait for the move, not run past it into the directory
-        real_replace(src, dst)
+        real_replace(src, dst, **kwargs)
 
     def no_mkdir(path, *args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", path)
@@ -309,13 +309,14 @@ def test_a_symlink_planted_at_the_temporary_name_is_not_followed(tmp_path):
     victim.write_bytes(b"someone else's file")
     cdir = tmp_path / "ck"
     cp, _ = _run(cdir)
-    planted = cdir / f".ckpt-e0001-s000000016.pt.tmp-{os.getpid()}"  # the name the writer would use
+    planted = cdir / checkpoint._temp_name("ckpt-e0001-s000000016.pt")  # the name the writer would use
     os.symlink(victim, planted)
     path = cp.save(_state(1), epoch=1, step=16)
     assert victim.read_bytes() == b"someone else's file"
     assert stat.S_ISREG(os.lstat(path).st_mode) and checkpoint.load(path)["model"]["w"][0] == 1
-    assert os.readlink(planted) == str(victim)  # not used, not touched (the next start's clean-up removes it)
+    assert os.readlink(planted) == str(victim)  # not used, not touched
     assert sorted(os.listdir(cdir)) == sorted([planted.name, "ckpt-e0001-s000000016.pt"])
+    assert checkpoint.remove_stale_temporaries(cdir) == [] and os.readlink(planted) == str(victim)  # not ours: left
 
 
 def test_a_checkpoint_dir_that_others_can_write_gets_a_warning(tmp_path, capsys):

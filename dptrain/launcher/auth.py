@@ -97,7 +97,8 @@ def load_secret(path: str | None = None, environ: Mapping[str, str] | None = Non
     """The job's secret: the file ``path`` (``--secret-file``), else ``DPTRAIN_SECRET_FILE``, else
     ``DPTRAIN_SECRET``; None when none is given.
 
-    A file must be a regular file that only its owner can read or write (mode 0600 or 0400, as
+    A file must be a regular file (a FIFO, a directory or a device is refused without waiting on
+    it; a link is followed) that only its owner can read or write (mode 0600 or 0400, as
     ssh asks of a private key), owned by this user (or root), and hold at least ``MIN_CHARS``
     characters besides the surrounding white space.
 
@@ -115,13 +116,17 @@ def load_secret(path: str | None = None, environ: Mapping[str, str] | None = Non
         return text.encode() if text else None
     path = os.path.expanduser(path)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # Never blocking on a FIFO or a device, and refused unless a regular file: see [Note: opening
+        # a file dptrain did not make] in dptrain._settings. A link is followed: the user named this
+        # file, and a secret mounted by Kubernetes or kept in a vault's folder is reached through one.
+        fd = _settings.open_regular(path)
+    except _settings.NotRegularFile as exc:
+        raise ValueError(f"{where} is {exc.kind}, not a regular file; give the file that holds the job's secret, "
+                         f"e.g. one made with {GENERATE}") from None
     except OSError as exc:
         raise ValueError(f"{where}: cannot read it ({exc.strerror}); create it with {GENERATE}") from None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{where} is not a regular file; give the file that holds the job's secret")
         if info.st_mode & 0o077:
             raise ValueError(f"{where} can be read or written by other users (mode {stat.S_IMODE(info.st_mode):04o}); "
                              f"a secret must be the owner's alone: chmod 600 {path}")

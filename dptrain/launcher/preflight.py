@@ -31,8 +31,9 @@ from typing import Any, Callable
 
 from dptrain import _settings
 from dptrain.launcher.store import raise_open_files_limit
+from dptrain.launcher.store_values import MAX_NPROC_PER_NODE, MAX_WORLD_SIZE, PID_MAX_LIMIT
 
-__all__ = ["preflight", "check_settings", "check_capacity"]
+__all__ = ["preflight", "check_settings", "check_size", "check_capacity"]
 
 #: Tasks one rank needs at the least: its process, and the launcher's two relay threads.
 TASKS_PER_RANK = 3
@@ -56,6 +57,7 @@ def preflight(config: Any) -> None:
     ``config`` is the job's ``LaunchConfig`` (not imported: ``job`` imports this module).
     """
     check_settings(config)
+    check_size(config.nproc_per_node, config.nnodes)
     check_capacity(config.nproc_per_node, config.nnodes, hosts_store=config.node_rank == 0,
                    tunneled=config.nnodes > 1 and getattr(config, "secret", None) is not None)
 
@@ -65,6 +67,17 @@ def check_settings(config: Any) -> None:
     environ = {name: value for name, value in os.environ.items()
                if not (name in SET_BY_FLAGS and (SET_BY_FLAGS[name] is None or getattr(config, SET_BY_FLAGS[name])))}
     _settings.check_all(environ)
+
+
+def check_size(nproc_per_node: int, nnodes: int) -> None:
+    """Raise ValueError for a job of more ranks than any job can have: the bound its launchers hold
+    the store's values to (see [Note: counts past what a job can have] in ``store_values``), so a
+    job that starts never has its own values refused."""
+    world = nproc_per_node * nnodes
+    if world > MAX_WORLD_SIZE:
+        raise ValueError(f"--nproc-per-node {nproc_per_node} --nnodes {nnodes}: a job of {world} ranks is more than "
+                         f"the {MAX_WORLD_SIZE} dptrain runs (node 0's store holds a connection for each); "
+                         f"give fewer nodes or ranks per node")
 
 
 def check_capacity(nproc_per_node: int, nnodes: int = 1, hosts_store: bool = True, tunneled: bool = False) -> None:
@@ -77,6 +90,9 @@ def check_capacity(nproc_per_node: int, nnodes: int = 1, hosts_store: bool = Tru
     """
     n = nproc_per_node
     refusals = []  # (the most ranks that fit, why not n)
+    if n > MAX_NPROC_PER_NODE:  # said even where the limits below cannot be read
+        refusals.append((MAX_NPROC_PER_NODE, f"no machine can: Linux runs at most {PID_MAX_LIMIT} tasks (the ceiling "
+                                             f"of pid_max) and each rank takes {TASKS_PER_RANK}"))
     tasks = TASKS_PER_RANK * n
     for free, limit in _task_room():
         if tasks > free:

@@ -37,6 +37,21 @@ _SPLIT = re.compile(rb"(\r|\n)")
 _MAX_LIVE = 16  # lines in progress shown at once on a terminal
 
 
+def open_log(path: str) -> int:
+    """A rank's log file under ``--log-dir``, opened to append (made if absent): a file descriptor.
+
+    dptrain names this file itself, inside the user's folder, so a link there is refused rather
+    than followed (what the rank prints would be appended to the file it points to), and a FIFO or
+    a device is refused without waiting for a reader (see [Note: opening a file dptrain did not
+    make] in ``dptrain._settings``).
+
+    Raises:
+        dptrain._settings.NotRegularFile: ``path`` is a link, a FIFO, a directory, a device.
+        OSError: it cannot be made or written.
+    """
+    return _settings.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666, follow=False)
+
+
 def _isatty(stream: IO) -> bool:
     try:
         return stream.isatty()
@@ -181,7 +196,7 @@ class Relay:
         self._pipe = pipe
         # ``--log-dir`` with ``--tee``/``--redirects``: every byte, as the rank wrote it, also
         # goes to this file (carriage returns included, as a terminal would have received them).
-        self._log = open(log_path, "ab", buffering=0) if log_path else None
+        self._log = os.fdopen(open_log(log_path), "ab", buffering=0) if log_path else None
         self._rank = rank
         self._prefix = f"[rank{rank}] ".encode()
         # torch prints an uncaught exception in a rank as "[rank1]: Traceback ..."; under our

@@ -33,6 +33,30 @@ T = TypeVar("T")
 
 MAX_RAW = 64 * 1024  # no value the launcher reads is longer; a longer one is not parsed at all
 MAX_TEXT = 2000  # characters of a failure report or an error the launcher shows
+
+# [Note: counts past what a job can have]
+# Every count a value carries is bounded by what a job can be, not by the 2**63 of a C integer:
+# an arrival claiming 2**62 ranks had node 0 build a list of that many rank numbers
+# (``membership.ranks_of``). ``dptrain run`` refuses the same bounds for its own flags (``preflight``), so a
+# value this job's launchers write always passes.
+#: Linux's ceiling on the kernel's pid_max (PID_MAX_LIMIT): no machine runs more tasks at once.
+PID_MAX_LIMIT = 1 << 22
+#: The most ranks one node can start (--nproc-per-node): each takes 3 tasks, its process and two
+#: relay threads of its launcher (``preflight.TASKS_PER_RANK``), so no machine starts more.
+MAX_NPROC_PER_NODE = PID_MAX_LIMIT // 3
+#: The most ranks of a job (and so of nodes, each running one at least): node 0's store holds a
+#: connection for each, and Linux's default ceiling on one process's open files (fs.nr_open)
+#: is 2**20 -- ten times the largest jobs trained today.
+MAX_WORLD_SIZE = 1 << 20
+#: The most generations of in-place recovery: a generation reaches its ranks as DPTRAIN_GENERATION,
+#: which takes at most this (``dptrain._settings``).
+MAX_GENERATION = 10**9
+#: A counter a rank keeps (collectives entered, steps): it grows by one, and 2**53 (a million a
+#: second for 285 years) is the largest whole number every JSON reader keeps exact.
+MAX_COUNTER = 2**53
+#: Process ids are a C int (pid_t) on every system.
+MAX_PID = 2**31 - 1
+
 _CSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")  # a terminal escape sequence: removed whole, not just its ESC
 _FAILURE = re.compile(r"on node (\d{1,9}): \S")
 _TOKEN = re.compile(r"[0-9a-f]{1,64}")
@@ -107,12 +131,13 @@ def _json_object(raw: bytes) -> dict:
     return value
 
 
-def _whole(obj: dict, name: str, minimum: int = 0, default: int | None = None) -> int:
+def _whole(obj: dict, name: str, maximum: int, minimum: int = 0, default: int | None = None) -> int:
+    """The whole number ``obj[name]`` in ``minimum``..``maximum`` (see [Note: counts past what a job can have])."""
     if name not in obj and default is not None:
         return default
     value = _field(obj, name)
-    if type(value) is not int or not minimum <= value < 2**63:  # bool is an int, but not a count
-        raise Malformed(f"{name!r} is {_short(json.dumps(value))}, not a whole number >= {minimum}")
+    if type(value) is not int or not minimum <= value <= maximum:  # bool is an int, but not a count
+        raise Malformed(f"{name!r} is {_short(json.dumps(value))}, not a whole number from {minimum} to {maximum}")
     return value
 
 
@@ -143,8 +168,9 @@ def heartbeat(raw: bytes) -> dict:
     it was written (``t``, the rank's clock; None if absent)."""
     obj = _json_object(raw)
     pid = obj.get("pid")
-    return {"seq": _whole(obj, "seq"), "ticks": _whole(obj, "ticks"), "ddp_steps": _whole(obj, "ddp_steps", default=0),
-            "op": clean(_text(obj, "op", 500), 200), "pid": pid if type(pid) is int and pid > 0 else None,
+    return {"seq": _whole(obj, "seq", MAX_COUNTER), "ticks": _whole(obj, "ticks", MAX_COUNTER),
+            "ddp_steps": _whole(obj, "ddp_steps", MAX_COUNTER, default=0), "op": clean(_text(obj, "op", 500), 200),
+            "pid": pid if type(pid) is int and 0 < pid <= MAX_PID else None,
             "failed": obj.get("failed") is True, "t": _time(obj)}
 
 
@@ -155,7 +181,7 @@ def left_note(raw: bytes) -> dict:
     failed = obj.get("after_failure", False)
     if not isinstance(failed, bool):
         raise Malformed(f"'after_failure' is {_short(json.dumps(failed))}, not true or false")
-    return {"ddp_steps": _whole(obj, "ddp_steps", default=0), "after_failure": failed, "t": _time(obj)}
+    return {"ddp_steps": _whole(obj, "ddp_steps", MAX_COUNTER, default=0), "after_failure": failed, "t": _time(obj)}
 
 
 def _time(obj: dict) -> float | None:
@@ -170,7 +196,9 @@ def _arrival_fields(obj: Any) -> dict:
     token = _text(obj, "token", 64)
     if not _TOKEN.fullmatch(token):
         raise Malformed(f"'token' is {_short(token)!r}, not a hexadecimal token")
-    return {"node": _whole(obj, "node"), "nproc": _whole(obj, "nproc", minimum=1), "token": token}
+    # A node id is its --node-rank, below --nnodes, which is at most MAX_WORLD_SIZE.
+    return {"node": _whole(obj, "node", MAX_WORLD_SIZE - 1),
+            "nproc": _whole(obj, "nproc", MAX_NPROC_PER_NODE, minimum=1), "token": token}
 
 
 def arrival(raw: bytes) -> dict:
@@ -195,6 +223,9 @@ def _nodes(obj: dict) -> list[dict]:
     ids = [n["node"] for n in chosen]
     if len(set(ids)) != len(ids):
         raise Malformed(f"node ids {_short(ids)}, not distinct")
+    world = sum(n["nproc"] for n in chosen)
+    if world > MAX_WORLD_SIZE:
+        raise Malformed(f"{len(chosen)} nodes of {world} ranks in all, more than the {MAX_WORLD_SIZE} a job can have")
     return chosen
 
 
@@ -202,7 +233,7 @@ def admission(raw: bytes) -> dict:
     """Node 0 letting a launcher into a running attempt (see ``resize``): the attempt's nodes as
     they are from ``generation`` on, ``{"nodes": [arrival, ...], "generation": g}``."""
     obj = _json_object(raw)
-    return {"nodes": _nodes(obj), "generation": _whole(obj, "generation", minimum=1)}
+    return {"nodes": _nodes(obj), "generation": _whole(obj, "generation", MAX_GENERATION, minimum=1)}
 
 
 def generation(raw: bytes) -> dict:

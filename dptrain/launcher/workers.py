@@ -19,10 +19,10 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
-from dptrain import _proc, _torch_version
+from dptrain import _proc, _settings, _torch_version
 from dptrain.environments import usable_cores
 from dptrain.launcher.janitor import parent_death_signal
-from dptrain.launcher.relay import Console, Relay
+from dptrain.launcher.relay import Console, Relay, open_log
 
 __all__ = ["RankProcess", "finish_output", "stop_processes", "rank_environ", "process_environ",
            "omp_threads", "error_file", "read_error_file", "rank_log_files", "GRACE_S"]
@@ -111,9 +111,11 @@ def error_file(error_dir: str, attempt: int, rank: int) -> str:
 def read_error_file(path: str) -> str:
     """The traceback a rank's ``@record`` handler wrote (torchrun's error-file format)."""
     try:
-        with open(path) as fh:
+        # The path may come from the rank's own TORCHELASTIC_ERROR_FILE: never waited on (a FIFO
+        # there would hold the failure report for good), read only when a regular file.
+        with os.fdopen(_settings.open_regular(path)) as fh:
             data = json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # NotRegularFile is an OSError: no traceback to show
         return ""
     message = data.get("message", {})
     if isinstance(message, dict):
@@ -138,7 +140,10 @@ def rank_log_files(base: str | None, run_id: str, attempt: int, local_rank: int,
             path = os.path.join(folder, f"{name}.log")
             try:  # here, before the rank starts: a rank must never run without its relay
                 os.makedirs(folder, exist_ok=True)
-                open(path, "ab").close()
+                os.close(open_log(path))
+            except _settings.NotRegularFile as exc:
+                raise ValueError(f"--log-dir: {path} is {exc.kind}, not a regular file; dptrain appends a rank's "
+                                 f"output only to a file of its own there: remove it, or give another --log-dir") from None
             except OSError as exc:
                 raise ValueError(f"--log-dir: cannot write {path} ({exc.strerror}); give a writable folder") from None
         out.append((path, not redirected))

@@ -29,13 +29,38 @@ none of them decides what it keeps or resumes from:
   newest, and starts fresh as that attempt would have, moving the earlier run aside.
 * A resume moves the checkpoints newer than the one it continues from -- files that could not
   be read, or a run that went further from an earlier point -- into ``set-aside/``.
-* Pruning counts only this run's readable checkpoints (those it wrote, and older ones that
-  look whole), never deletes the one just written, and first moves into ``set-aside/`` any
-  file under a checkpoint's name that is ahead of this run or, when ``keep_last`` counts,
-  cannot be read.
+* Pruning counts only this run's checkpoints: those it wrote, and those older than the one it
+  resumed from that its run wrote before -- their ``job`` is one of the run's jobs (``lineage``
+  in each checkpoint: this job and the jobs whose checkpoints it continues), or they name no job
+  (an older dptrain). It never deletes the one just written, and reads each one's ``job`` again
+  right before deleting it (a file of that name may be another job's by now), with the
+  shard files it names only. When ``keep_last`` counts, every other file under a checkpoint's name goes
+  into ``set-aside/``: one that cannot be read, one that is not a Trainer checkpoint, one of
+  another job -- a job writing into the same directory -- and one that appeared while this run
+  trained without this run writing it (a job that nothing names, see ``job_identity``); and
+  always one ahead of this run. Whose a file is is read without loading it (checkpoint.py's
+  [Note: whose checkpoint a file is, read without loading it]).
+* The clean-up at start deletes only what interrupted saves left that cannot be anyone else's:
+  temporary files of this machine whose writer is gone, shard files of this job without their
+  checkpoint. A user's file, another job's save in flight, another machine's temporaries are
+  left where they are, and named (checkpoint.py's [Note: what the clean-up at start may
+  delete]); every node's first rank sweeps its own machine's temporaries.
 
-Only rank 0 moves files, each move with a one-line notice; a fresh start's move is agreed with
-the other ranks (they wait for it, and raise the same error if it fails).
+Only rank 0 moves files, and the files of one step (a prune, a resume, a start) are named in
+one notice; a fresh start's move is agreed with the other ranks (they wait for it, and raise
+the same error if it fails).
+
+[Note: folders that are links]
+``set-aside/`` and ``previous-run-<when>/`` are folders that dptrain makes inside
+checkpoint_dir and moves files into. Someone who can write the directory (see
+``_warn_if_others_can_write``) could put a symlink there under such a name, pointing
+elsewhere, and the files moved would leave checkpoint_dir -- into their hands. So a folder is
+made by ``mkdir`` (which follows no link), opened with O_DIRECTORY | O_NOFOLLOW, checked to be
+a folder of this user's, and the files are moved into that descriptor (``rename`` with
+``dst_dir_fd``), never through its name again. A ``set-aside`` that is not such a folder is
+passed over for ``set-aside-2`` (then -3, ...), which the notice says; a ``previous-run-<when>``
+that is not the folder just made fails the move, on every rank, and nothing moves.
+checkpoint_dir itself is the user's choice, and may be a link.
 
 [Note: config.yaml]
 A script that reads its settings with :func:`dptrain.train.parse_config` (a YAML file plus
@@ -53,6 +78,8 @@ TrainerConfig anyway (its ``config`` entry).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import stat
 import sys
@@ -78,6 +105,11 @@ BEST_NAME = "best.pt"
 PREVIOUS_RUN = "previous-run"
 #: Where files under a checkpoint's name that are not this run's go (see [Note: whose files these are]).
 SET_ASIDE = "set-aside"
+_FORMATS = (CHECKPOINT_FORMAT, _FORMAT_V2, _FORMAT_V1)
+#: The most jobs a checkpoint's ``lineage`` names (the newest): enough for any run's resumes.
+_LINEAGE_MAX = 256
+#: How a folder of dptrain's is opened (see [Note: folders that are links]).
+_FOLDER = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def job_identity() -> str | None:
@@ -131,6 +163,66 @@ def _describe(exc: BaseException) -> tuple[str, str]:
     return kind, (str(exc) if isinstance(exc, ckpt.CheckpointError) else f"{type(exc).__name__}: {exc}")
 
 
+def _job_name(job: str | None) -> str:
+    return job if job is not None else "a job that nothing names"
+
+
+def _files(n: int) -> str:
+    return f"{n} file{'s' if n != 1 else ''}"
+
+
+def _exists_in(folder: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _write_in(folder: int, name: str, data: bytes) -> None:
+    """Write ``name`` in the open folder ``folder``, atomically (a new temporary, fsync, rename)."""
+    tmp = ckpt._temp_name(name)
+    fd = os.open(tmp, os.O_WRONLY | ckpt._NEW_FILE, 0o666, dir_fd=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp, dir_fd=folder)
+        raise
+
+
+def _not_a_folder(path: str, exc: OSError) -> str:
+    """Why ``path`` could not be opened as a folder (see [Note: folders that are links])."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return f"{path!r} cannot be opened ({exc.strerror or exc})"
+    if stat.S_ISLNK(st.st_mode):
+        with contextlib.suppress(OSError):
+            return f"{path!r} is a symbolic link (to {os.readlink(path)!r}), which dptrain does not follow"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path!r} is {ckpt._kind(st.st_mode) if not stat.S_ISREG(st.st_mode) else 'a file'}, not a folder"
+    return f"{path!r} cannot be opened ({exc.strerror or exc})"
+
+
+def _sweep_notice(directory: str, removed: list[str], left: list[tuple[str, str]]) -> str:
+    """One line for what the clean-up at start removed and what it left (see prepare)."""
+    said = []
+    if removed:
+        said.append(f"removed {_files(len(removed))} that interrupted saves left behind (temporary files whose "
+                    f"writer is gone, shard files of this job without their checkpoint): "
+                    + ", ".join(repr(n) for n in removed))
+    if left:
+        said.append(f"left {_files(len(left))} where {'it is' if len(left) == 1 else 'they are'}, which may be another "
+                    f"job's or yours (nothing else is deleted): " + "; ".join(f"{n!r} {why}" for n, why in left)
+                    + ". Delete those yourself once no other job writes into this directory")
+    return f"checkpoint_dir {directory!r}: " + "; ".join(said)
+
+
 class Checkpointer:
     """Checkpoint directory of a run: names, atomic collective saves, pruning, best model, resume choice.
 
@@ -146,6 +238,10 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self._ours: set[str] = set()  # names of this run's checkpoints known to be readable
+        self._lineage: list[str | None] = []  # the jobs whose checkpoints this run continues (see _jobs)
+        # Rank 0: names of the checkpoints that this run's past left in the directory (older than the
+        # one it resumed from); None where that is not known (another rank, a start not decided yet).
+        self._past: set[str] | None = None
         self._restarted = False  # resuming only because the launcher restarted the job (resume=None)
         self._earlier_config: str | None = None  # where prepare() kept a config.yaml that was there before
         self._config_text: str | None = None  # config.yaml as it was already, with this run's settings
@@ -169,16 +265,17 @@ class Checkpointer:
 
     # -- start of a run ---------------------------------------------------------------
     def prepare(self) -> None:
-        """Clean what an interrupted save left and check, before any training, that the
-        directory can be written (every rank raises the same error if not); warn when other
-        users can write it too."""
+        """Clean what interrupted saves left -- only that, see checkpoint.py's [Note: what the
+        clean-up at start may delete] -- and check, before any training, that the directory can
+        be written (every rank raises the same error if not); name in one notice what was removed
+        and what was left; warn when other users can write the directory too. Collective."""
         if not self.directory:
             return
-        error = None
+        error, swept = None, ([], [])
         if self.rank == 0:
             try:
                 os.makedirs(self.directory, exist_ok=True)
-                ckpt.remove_stale_temporaries(self.directory)
+                swept = ckpt._sweep(self.directory, job_identity())
                 with ckpt._open_temp(self.directory, "write-probe") as probe:  # follows no planted link
                     probe.write(b"dptrain")
                 os.remove(probe.name)
@@ -192,8 +289,34 @@ class Checkpointer:
         error = comm.broadcast_object(error, src=0)
         if error:
             raise on_every_rank(ckpt.CheckpointError(error))
+        self._say_swept(*swept)
         if self.rank == 0:
             self._warn_if_others_can_write()
+
+    def _say_swept(self, removed: list[str], left: list[tuple[str, str]]) -> None:
+        """Collective: the first rank of every other machine sweeps its own machine's temporary files
+        (whether their writer runs can only be told there); rank 0 names what all of them removed and
+        left, with its own sweep's (``removed``, ``left``), in one notice."""
+        if self.world_size > 1:
+            part = None
+            if self.rank != 0 and env.get_world().local_rank == 0:
+                try:
+                    part = ckpt._sweep(self.directory, None, everything=False)
+                except Exception as exc:  # noqa: BLE001 - a sweep never stops a run; rank 0 says it
+                    part = ([], [(self.directory, f"could not be swept for rank {self.rank}'s machine "
+                                                  f"({type(exc).__name__}: {exc})")])
+            here = ckpt._machine()
+            parts = comm.all_gather_object((here, part))
+            if self.rank != 0:
+                return
+            swept_there = {machine for machine, p in parts if p is not None} - {here}
+            left = [(n, why) for n, why in left if ckpt._temp_machine(n) not in swept_there]
+            for _, p in parts:
+                if p is not None:
+                    removed, left = removed + p[0], left + p[1]
+        if self.rank == 0 and (removed or left):
+            left = list({n: (n, why) for n, why in left}.values())
+            notice(_sweep_notice(self.directory, sorted(set(removed)), left))
 
     def _write_config(self) -> str | None:
         """Rank 0: write parse_config's settings as config.yaml (see [Note: config.yaml]); an error, or None."""
@@ -256,7 +379,9 @@ class Checkpointer:
                 message; the files already there are kept). CheckpointSpaceError for a full disk.
         """
         path = os.fspath(path) if path is not None else self.path_for(epoch, step)
-        main: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "world_size": self.world_size, "job": job_identity()}
+        me = job_identity()
+        main: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "world_size": self.world_size, "job": me,
+                                "lineage": ([j for j in self._lineage if j != me] + [me])[-_LINEAGE_MAX:]}
         shards: dict[str, Any] = {}
         for name, obj in states.items():
             value = obj.state_dict() if hasattr(obj, "state_dict") else obj
@@ -267,6 +392,7 @@ class Checkpointer:
         main["sharded"] = sorted(shards)
         error = None
         if shards:
+            shards["job"] = me  # whose a shard file is, for the clean-up at start (it may outlive its checkpoint)
             try:
                 ckpt.save(shards, ckpt.shard_path(path, self.rank, self.world_size))
             except Exception as exc:  # noqa: BLE001 - agreed with the other ranks below
@@ -306,11 +432,39 @@ class Checkpointer:
         return bool(self.directory) and (
             os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(self.directory))
 
+    def _jobs(self) -> set[str | None]:
+        """The jobs whose checkpoints are this run's: this job, and those of the run it continues."""
+        return {job_identity(), *self._lineage}
+
+    def _not_ours(self, path: str, ahead: str | None = None) -> tuple[dict[str, Any], str | None]:
+        """(what ``path`` says of itself, read without loading it; why it is not one of this run's
+        checkpoints, or None). ``ahead``: why it is ahead of this run, if it is."""
+        entries, why = ckpt._peek(path)
+        if why is None and ahead:
+            why = ahead
+        if why is None:
+            if entries.get("format") not in _FORMATS:
+                why = f"is not a dptrain Trainer checkpoint (its format is {entries.get('format')!r})"
+            elif "job" in entries and entries["job"] not in self._jobs():
+                why = (f"was written by another job ({_job_name(entries['job'])}), not by this one "
+                       f"({_job_name(job_identity())})")
+        return entries, why
+
+    def _shard_files(self, path: str, entries: Mapping[str, Any]) -> list[str]:
+        """The shard files of checkpoint ``path``: those of the world size it names (by name alone
+        for a format that does not say)."""
+        found = ckpt._shards_of(self.directory, os.path.basename(path))
+        world, sharded = entries.get("world_size"), entries.get("sharded")
+        if isinstance(world, int) and isinstance(sharded, (list, tuple)):
+            found = [p for p in found if sharded and ckpt._SHARD_RE.match(os.path.basename(p)).group(2) == str(world)]
+        return found
+
     def _prune(self, written: str) -> None:
         """Rank 0, after writing ``written``: move aside what is not this run's, then delete this
         run's oldest checkpoints beyond ``keep_last`` (see [Note: whose files these are])."""
         mine = _order(written)  # None: a name of the caller's (save_checkpoint(path)), not counted
-        ours = []
+        ours: list[str] = []
+        aside: list[tuple[str, str]] = []
         for path in ckpt.list_checkpoints(self.directory):
             name = os.path.basename(path)
             if name == os.path.basename(written):
@@ -319,44 +473,117 @@ class Checkpointer:
                 ours.append(path)
                 continue
             ahead = mine is not None and _order(path) > mine
-            why = ckpt._unusable(path) if ahead or self.keep_last > 0 else None
-            if why is None and ahead:
-                why = f"is ahead of this run (step {_order(path)[0]}; this run just wrote step {mine[0]})"
+            if not ahead and self.keep_last <= 0:
+                continue  # nothing is deleted: whose it is does not matter
+            _, why = self._not_ours(path, (f"is ahead of this run (step {_order(path)[0]}; this run just wrote "
+                                           f"step {mine[0]})") if ahead else None)
+            if why is None and self._past is not None and name not in self._past:
+                why = "was not written by this run: it appeared in checkpoint_dir while this run trained"
             if why:
-                self._set_aside(path, why)
+                aside.append((path, why))
                 continue
             self._ours.add(name)
             ours.append(path)
         if self.keep_last > 0:
             others = self.keep_last - 1 if mine is not None else self.keep_last
             for path in ours[: max(0, len(ours) - others)]:
-                for part in ckpt._shards_of(self.directory, os.path.basename(path)) + [path]:  # the checkpoint last
+                self._ours.discard(os.path.basename(path))
+                if not os.path.lexists(path):
+                    continue
+                entries, why = self._not_ours(path)  # read again: one of this name may be another's by now
+                if why:
+                    aside.append((path, why))
+                    continue
+                for part in self._shard_files(path, entries) + [path]:  # the checkpoint last
                     try:
                         os.remove(part)
                     except FileNotFoundError:
                         pass
-                self._ours.discard(os.path.basename(path))
+        self._set_aside(aside)
 
-    def _set_aside(self, path: str, why: str) -> None:
-        """Rank 0: move a file under a checkpoint's name that is not this run's (and its shard
-        files) into set-aside/, with a notice. A failure leaves it in place, said too."""
-        folder = os.path.join(self.directory, SET_ASIDE)
-        name = os.path.basename(path)
-        parts = ckpt._shards_of(self.directory, name) + [path]
-        try:
-            os.makedirs(folder, exist_ok=True)
-            tag, n = "", 1
-            while any(os.path.lexists(os.path.join(folder, _tagged(os.path.basename(p), tag))) for p in parts):
-                n += 1
-                tag = f".{n}"
-            for part in parts:
-                os.replace(part, os.path.join(folder, _tagged(os.path.basename(part), tag)))
-        except OSError as exc:
-            notice(f"{path!r} {why}; moving it aside failed ({exc.strerror or exc}), so it is left in place, not "
-                   f"counted by keep_last")
+    def _folder(self, base: str, fresh: bool) -> tuple[int, str, list[str]]:
+        """A folder of dptrain's in the directory, open (see [Note: folders that are links]):
+        ``base``, else ``base-2``, ``base-3``, ... where the name is taken by something else.
+        ``fresh``: only a folder made now. Returns (its descriptor, its path, why each name
+        before it was passed over).
+
+        Raises:
+            OSError: a folder made now is not the one found open (a race), or no name is free.
+        """
+        passed: list[str] = []
+        for n in range(1, 1000):
+            path = os.path.join(self.directory, base if n == 1 else f"{base}-{n}")
+            try:
+                os.mkdir(path)
+                made = True
+            except FileExistsError:
+                if fresh:
+                    continue
+                made = False
+            try:
+                fd = os.open(path, _FOLDER)
+            except OSError as exc:
+                why = _not_a_folder(path, exc)
+            else:
+                st = os.fstat(fd)
+                why = None
+                if not stat.S_ISDIR(st.st_mode):
+                    why = f"{path!r} is not a folder"
+                elif hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+                    why = f"{path!r} belongs to another user (uid {st.st_uid})"
+                if why is None:
+                    return fd, path, passed
+                os.close(fd)
+            if made:
+                raise OSError(errno.EEXIST, f"the folder made a moment ago was replaced: {why}", path)
+            passed.append(why)
+        raise OSError(errno.EEXIST, f"no name of the form {base}-<n> is free", os.path.join(self.directory, base))
+
+    def _set_aside(self, items: list[tuple[str, str]]) -> None:
+        """Rank 0: move the files ``items`` names -- (path, why), files under a checkpoint's name
+        that are not this run's -- and their shard files into set-aside/, said in one notice. A
+        file that cannot be moved stays where it is, said too."""
+        if not items:
             return
-        notice(f"moved {path!r} to {os.path.join(folder, _tagged(name, tag))!r} (nothing is deleted): it {why}. "
-               f"It is not counted by keep_last, and a resume does not pick it")
+        moved: list[tuple[str, str, str]] = []  # (from, to, why)
+        failed: list[tuple[str, str, str]] = []  # (path, why, what went wrong)
+        passed: list[str] = []
+        try:
+            folder, where, passed = self._folder(SET_ASIDE, fresh=False)
+        except OSError as exc:
+            failed = [(path, why, str(exc.strerror or exc)) for path, why in items]
+        else:
+            try:
+                for path, why in items:
+                    name = os.path.basename(path)
+                    parts = ckpt._shards_of(self.directory, name) + [path]  # the checkpoint last
+                    try:
+                        tag, n = "", 1
+                        while any(_exists_in(folder, _tagged(os.path.basename(p), tag)) for p in parts):
+                            n += 1
+                            tag = f".{n}"
+                        for part in parts:
+                            os.replace(part, _tagged(os.path.basename(part), tag), dst_dir_fd=folder)
+                        moved.append((path, os.path.join(where, _tagged(name, tag)), why))
+                    except OSError as exc:
+                        failed.append((path, why, str(exc.strerror or exc)))
+            finally:
+                os.close(folder)
+        # Where set-aside/ is not a folder of dptrain's, the notice says why the files went elsewhere.
+        nothing = f"nothing is deleted; {'; '.join(passed)}, so not there" if passed else "nothing is deleted"
+        if len(moved) == 1 and not failed:
+            src, dst, why = moved[0]
+            notice(f"moved {src!r} to {dst!r} ({nothing}): it {why}. It is not counted by keep_last, and a resume "
+                   f"does not pick it")
+            return
+        said = []
+        if moved:
+            said.append(f"moved {_files(len(moved))} into {where!r} ({nothing}): "
+                        + "; ".join(f"{src!r} as {os.path.basename(dst)!r}: it {why}" for src, dst, why in moved))
+        if failed:
+            said.append(f"left {_files(len(failed))} in place, as moving {'it' if len(failed) == 1 else 'them'} "
+                        f"aside failed: " + "; ".join(f"{path!r} ({error}): it {why}" for path, why, error in failed))
+        notice(". ".join(said) + ". None of them is counted by keep_last, and a resume does not pick them")
 
     def save_best(self, payload: dict[str, Any]) -> None:
         """Write ``best.pt`` (rank 0; not collective: the best model is known on every rank)."""
@@ -394,6 +621,7 @@ class Checkpointer:
                     f"resume requested but no checkpoint was found in {self.directory!r}; training from scratch "
                     f"(check --model_dir / checkpoint_dir if you expected to continue)"
                 )
+                self._past = set()  # a run with no past: what appears later is not its own
                 self._say_config_kept()
             return list(reversed(found))
         if resume is not False:
@@ -423,6 +651,7 @@ class Checkpointer:
         error = comm.broadcast_object(error, src=0)
         if error:
             raise on_every_rank(ckpt.CheckpointError(error))
+        self._past, self._lineage = set(), []  # a run with no past: what appears later is not its own
 
     def _move_earlier_run(self, doing: str) -> None:
         found = ckpt.list_checkpoints(self.directory)
@@ -433,24 +662,20 @@ class Checkpointer:
             return
         # Named for when that run wrote its newest file, so a listing reads as a history.
         when = time.strftime("%Y%m%dT%H%M%S", time.localtime(max(os.lstat(p).st_mtime for p in parts)))
-        aside, n = os.path.join(self.directory, f"{PREVIOUS_RUN}-{when}"), 1
-        while True:
-            try:
-                os.mkdir(aside)
-                break
-            except FileExistsError:
-                n += 1
-                aside = os.path.join(self.directory, f"{PREVIOUS_RUN}-{when}-{n}")
-        for part in parts:
-            os.replace(part, os.path.join(aside, os.path.basename(part)))
-        settings = ""
-        if self._earlier_config and os.path.lexists(self._earlier_config):
-            # The settings of the run just moved (config.yaml held other settings than this run's).
-            os.replace(self._earlier_config, os.path.join(aside, CONFIG_NAME))
-            self._earlier_config, self._config_notice, settings = None, None, f" with its {CONFIG_NAME}"
-        elif self._config_text is not None:  # that run had the same settings: it keeps a copy of them
-            ckpt._atomic_write(os.path.join(aside, CONFIG_NAME), lambda f: f.write(self._config_text.encode()))
-            settings = f" with a copy of its {CONFIG_NAME}"
+        folder, aside, _ = self._folder(f"{PREVIOUS_RUN}-{when}", fresh=True)
+        try:
+            for part in parts:
+                os.replace(part, os.path.basename(part), dst_dir_fd=folder)
+            settings = ""
+            if self._earlier_config and os.path.lexists(self._earlier_config):
+                # The settings of the run just moved (config.yaml held other settings than this run's).
+                os.replace(self._earlier_config, CONFIG_NAME, dst_dir_fd=folder)
+                self._earlier_config, self._config_notice, settings = None, None, f" with its {CONFIG_NAME}"
+            elif self._config_text is not None:  # that run had the same settings: it keeps a copy of them
+                _write_in(folder, CONFIG_NAME, self._config_text.encode())
+                settings = f" with a copy of its {CONFIG_NAME}"
+        finally:
+            os.close(folder)
         kept = sum(1 for d in os.listdir(self.directory) if d.startswith(PREVIOUS_RUN))
         many = ""
         if kept > 1:
@@ -466,9 +691,10 @@ class Checkpointer:
             f"{aside!r}{settings} (nothing is deleted{many}). {how}"
         )
 
-    def _continue_from(self, path: str) -> None:
-        """Collective, once a resume read ``path``: what is newer in the directory goes to set-aside/;
-        a checkpoint from elsewhere starts the directory afresh (see [Note: whose files these are])."""
+    def _continue_from(self, path: str, state: Mapping[str, Any]) -> None:
+        """Collective, once a resume read ``path`` (``state``): what is newer in the directory goes
+        to set-aside/, what is older is this run's past; a checkpoint from elsewhere starts the
+        directory afresh (see [Note: whose files these are])."""
         if not self.directory:
             return
         if not self._holds(path):
@@ -476,11 +702,20 @@ class Checkpointer:
             self._say_config_kept()
             return
         self._say_config_kept()
-        self._ours.add(os.path.basename(path))
-        if self.rank == 0 and _order(path) is not None:
-            for newer in ckpt.list_checkpoints(self.directory):
-                if _order(newer) > _order(path):
-                    self._set_aside(newer, f"is newer than {os.path.basename(path)}, which this run resumes from")
+        name = os.path.basename(path)
+        self._ours.add(name)
+        lineage = state.get("lineage")
+        if not isinstance(lineage, (list, tuple)):  # written before checkpoints said their lineage
+            lineage = [state["job"]] if "job" in state else []
+        self._lineage = list(lineage)
+        if self.rank == 0:
+            start, newer, self._past = _order(path), [], set()
+            for other in ckpt.list_checkpoints(self.directory):
+                if start is not None and _order(other) > start:
+                    newer.append((other, f"is newer than {name}, which this run resumes from"))
+                elif os.path.basename(other) != name:
+                    self._past.add(os.path.basename(other))
+            self._set_aside(newer)
 
     # -- loading ----------------------------------------------------------------------
     def read(self, path: str, map_location: Any) -> dict[str, Any]:
@@ -550,7 +785,7 @@ class Checkpointer:
                     return None, None
                 if skipped:
                     notice(f"resuming from {path!r} instead")
-                self._continue_from(path)
+                self._continue_from(path, state)
                 return path, state
             skipped.append((path, error[1]))
             if len(candidates) > 1:

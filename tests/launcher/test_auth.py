@@ -220,6 +220,52 @@ def test_the_secret_from_a_file_or_the_environment(tmp_path, monkeypatch):
     assert _settings.LAUNCHER_ONLY == ("DPTRAIN_SECRET_FILE", "DPTRAIN_SECRET")
 
 
+def _dptrain_run(*args: str, env: dict) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([sys.executable, "-m", "dptrain", "run", *args], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT, env=dict(os.environ, **env))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"dptrain run {' '.join(args)} {env} still waits after 60 s")
+
+
+def test_a_secret_file_that_is_a_fifo_a_directory_or_a_link_to_one_is_refused_at_once(tmp_path):
+    # Issue 46, point 5: a FIFO was opened blocking before its type was checked, and dptrain run
+    # waited for a writer for good.
+    fifo = tmp_path / "job.secret"
+    os.mkfifo(fifo, 0o600)
+    link = tmp_path / "link.secret"
+    link.symlink_to(fifo)
+    folder = tmp_path / "secrets"
+    folder.mkdir(mode=0o700)
+    script = tmp_path / "ran.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    given = "give the file that holds the job's secret, e.g. one made with (umask 077;"
+    setting = "unset it (default: none) or set e.g. DPTRAIN_SECRET_FILE=~/.dptrain/job.secret"
+    fifo_says = "is a FIFO (named pipe), not a regular file"
+    link_says = "is a symbolic link to a FIFO (named pipe), not a regular file"
+    for flags, env, says in (
+            ([f"--secret-file={fifo}"], {}, f"--secret-file {fifo} {fifo_says}; {given}"),
+            ([f"--secret-file={link}"], {}, f"--secret-file {link} {link_says}; {given}"),
+            ([f"--secret-file={folder}"], {}, f"--secret-file {folder} is a directory, not a regular file; {given}"),
+            ([], {"DPTRAIN_SECRET_FILE": str(fifo)}, f"DPTRAIN_SECRET_FILE={str(fifo)!r} {fifo_says}; {setting}"),
+            ([], {"DPTRAIN_SECRET_FILE": str(link)}, f"DPTRAIN_SECRET_FILE={str(link)!r} {link_says}; {setting}")):
+        done = _dptrain_run(*flags, str(script), env=env)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, (flags, env, done.stderr)
+        assert lines[0].startswith(f"dptrain run: error: {says}"), (flags, env, lines)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_secret_file_reached_through_a_link_is_read(tmp_path):
+    # As a Kubernetes secret volume mounts it: a link (to a link) to the regular file.
+    real = tmp_path / "..data" / "job.secret"
+    real.parent.mkdir()
+    real.write_text(SECRET.decode() + "\n")
+    real.chmod(0o600)
+    (tmp_path / "job.secret").symlink_to(real)
+    assert auth.load_secret(str(tmp_path / "job.secret"), {}) == SECRET
+
+
 def test_a_node_with_another_secret_or_none_stops_before_its_ranks_start(job, tmp_path):
     _, gate, _ = job
     wrong = tmp_path / "wrong.secret"

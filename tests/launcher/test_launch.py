@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -294,3 +295,94 @@ def test_spawn_reports_a_rank_killed_by_a_signal():
 def test_spawn_rejects_bad_nprocs():
     with pytest.raises(ValueError, match="nprocs >= 1"):
         dptrain.spawn(_rank_square, 0)
+
+
+# -- files dptrain run opens: never waited on, refused unless regular (issue 46, point 5) ------------------
+def _at_once(fifo, fn):
+    """fn() (its exception too) within 10 s; a wait on ``fifo`` is ended (a reader and a writer
+    arrive: O_RDWR) and fails the test."""
+    out: dict = {}
+
+    def call():
+        try:
+            out["value"] = fn()
+        except Exception as exc:  # handed to the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_RDWR))
+        thread.join(10)
+        pytest.fail(f"the open waited on the FIFO {fifo}")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_files_dptrain_did_not_make_are_opened_without_waiting_and_only_when_regular(tmp_path):
+    from dptrain._settings import NotRegularFile, open_regular
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "to-fifo").symlink_to(fifo)
+    regular = tmp_path / "file"
+    regular.write_text("text")
+    (tmp_path / "to-file").symlink_to(regular)
+    fifo_is, write = "a FIFO (named pipe)", os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    for path, flags, follow, kind in ((fifo, os.O_RDONLY, True, fifo_is),
+                                      (fifo, write, False, fifo_is),
+                                      (tmp_path / "to-fifo", os.O_RDONLY, True, f"a symbolic link to {fifo_is}"),
+                                      (tmp_path / "to-fifo", os.O_WRONLY, False, "a symbolic link"),
+                                      (tmp_path / "to-file", write, False, "a symbolic link"),
+                                      (tmp_path, os.O_RDONLY, True, "a directory"),
+                                      (tmp_path, os.O_WRONLY, True, "a directory"),
+                                      ("/dev/null", os.O_RDONLY, True, "a character device")):
+        with pytest.raises(NotRegularFile) as info:
+            _at_once(fifo, lambda: open_regular(str(path), flags, follow=follow))
+        assert (info.value.kind, str(info.value)) == (kind, f"{path} is {kind}, not a regular file"), (path, flags)
+    fd = open_regular(str(tmp_path / "to-file"))  # followed where the user names the file
+    try:
+        assert os.read(fd, 10) == b"text"
+        assert os.get_blocking(fd)  # O_NONBLOCK is cleared once the file is known to be regular
+    finally:
+        os.close(fd)
+    with pytest.raises(FileNotFoundError):
+        open_regular(str(tmp_path / "missing"))
+
+
+def test_a_fifo_or_a_link_where_a_rank_log_goes_is_refused_at_once(tmp_path):
+    # A FIFO there held dptrain run for good (its open to append waited for a reader); a link
+    # sent the rank's output to the file it pointed to.
+    script = tmp_path / "ran.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    folder = tmp_path / "logs" / "job7" / "attempt_0" / "0"
+    folder.mkdir(parents=True)
+    log = folder / "stdout.log"
+    elsewhere = tmp_path / "elsewhere.txt"
+    for plant, kind in ((lambda: os.mkfifo(log), "a FIFO (named pipe)"),
+                        (lambda: log.symlink_to(elsewhere), "a symbolic link")):
+        plant()
+        try:
+            done = dptrain_run("--rdzv-id", "job7", "--log-dir", str(tmp_path / "logs"), "--redirects", "1",
+                               str(script))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"dptrain run still waits on {kind} at {log} after 60 s")
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and "Traceback" not in done.stderr and lines[-1] == (
+            f"dptrain run: error: --log-dir: {log} is {kind}, not a regular file; dptrain appends a rank's output "
+            f"only to a file of its own there: remove it, or give another --log-dir"), done.stderr
+        log.unlink()
+    assert not (tmp_path / "ran").exists() and not elsewhere.exists()
+
+
+def test_an_error_file_that_is_a_fifo_is_read_as_empty_at_once(tmp_path):
+    from dptrain.launcher.workers import read_error_file
+
+    fifo = tmp_path / "error.json"
+    os.mkfifo(fifo)
+    assert _at_once(fifo, lambda: read_error_file(str(fifo))) == ""
+    fifo.unlink()
+    fifo.write_text(json.dumps({"message": {"message": "boom", "extraInfo": {"py_callstack": "Traceback: boom"}}}))
+    assert read_error_file(str(fifo)) == "Traceback: boom"

@@ -6,7 +6,9 @@ ignores what is malformed with one warning line, and only a launcher's failure r
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 import threading
 import time
@@ -14,7 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from dptrain import _settings
 from dptrain._heartbeat import keys_prefix
+from dptrain.launcher import preflight, store_values
 from dptrain.launcher.membership import Elastic, Membership
 from dptrain.launcher.store import StoreClient
 from dptrain.launcher.store_values import Warnings, clean, failure_text
@@ -86,6 +90,79 @@ def test_elastic_arrivals_that_are_not_json_a_list_or_without_node_are_ignored(c
     warned = [line for line in lines if "ignored a malformed elastic arrival" in line]
     assert len(warned) == 3, lines
     assert "not JSON" in warned[0] and "a JSON list" in warned[1] and "no 'node'" in warned[2]
+
+
+def test_an_arrival_of_2_to_the_63_ranks_is_ignored_with_one_warning(client):
+    # Issue 46, point 7: its nproc was taken (anything below 2**63), and node 0 then built a list of that many ranks.
+    number = client.add("launcher/elastic/0/arrivals", 1)
+    client.set(f"launcher/elastic/0/arrival/{number}", json.dumps({"node": 1, "nproc": 2**63 - 1, "token": "ab12"}))
+    lines: list[str] = []
+    assert _node(client, 0, lines).join(0) == Membership(node_rank=0, rank_base=0, num_nodes=1, world_size=1,
+                                                         nodes=(0,))
+    warned = [line for line in lines if "ignored a malformed elastic arrival" in line]
+    assert len(warned) == 1 and "'nproc' is 9223372036854775807, not a whole number from 1 to 1398101" in warned[0]
+
+
+def _arrival(**fields) -> bytes:
+    return json.dumps({"node": 1, "nproc": 2, "token": "ab12", **fields}).encode()
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("nproc", 2**63, "'nproc' is 9223372036854775808, not a whole number from 1 to 1398101"),
+    ("nproc", 2**62, "'nproc' is 4611686018427387904, not a whole number from 1 to 1398101"),
+    ("nproc", 1398102, "'nproc' is 1398102, not a whole number from 1 to 1398101"),
+    ("nproc", 0, "'nproc' is 0, not a whole number from 1 to 1398101"),
+    ("node", 2**20, "'node' is 1048576, not a whole number from 0 to 1048575"),
+    ("node", -1, "'node' is -1, not a whole number from 0 to 1048575"),
+    ("node", True, "'node' is true, not a whole number"),
+])
+def test_the_counts_of_an_arrival_are_bounded_by_what_a_job_can_have(field, value, says):
+    with pytest.raises(store_values.Malformed, match=f"^{re.escape(says)}"):
+        store_values.arrival(_arrival(**{field: value}))
+
+
+def test_every_count_a_value_carries_is_bounded():
+    most = store_values.MAX_NPROC_PER_NODE
+    assert store_values.arrival(_arrival(node=2**20 - 1, nproc=most)) == {"node": 2**20 - 1, "nproc": most,
+                                                                          "token": "ab12"}
+    nodes = [json.loads(_arrival(node=k, nproc=most)) for k in range(2)]  # each node's count in range, not the sum
+    with pytest.raises(store_values.Malformed, match="2 nodes of 2796202 ranks in all, more than the 1048576"):
+        store_values.members(json.dumps({"nodes": nodes}).encode())
+    one = [json.loads(_arrival(node=0, nproc=2))]
+    assert store_values.admission(json.dumps({"nodes": one, "generation": 10**9}).encode())["generation"] == 10**9
+    for generation in (10**9 + 1, 2**63 - 1, 0):
+        with pytest.raises(store_values.Malformed, match="'generation' is .*, not a whole number from 1 to 1000000000"):
+            store_values.admission(json.dumps({"nodes": one, "generation": generation}).encode())
+    beat = {"seq": 1, "ticks": 0, "op": ""}
+    for field in ("seq", "ticks", "ddp_steps"):
+        assert store_values.heartbeat(json.dumps({**beat, field: 2**53}).encode())[field] == 2**53
+        with pytest.raises(store_values.Malformed, match=f"'{field}' is 9007199254740993, not a whole number from 0"):
+            store_values.heartbeat(json.dumps({**beat, field: 2**53 + 1}).encode())
+    with pytest.raises(store_values.Malformed, match="'ddp_steps' is 9223372036854775807"):
+        store_values.left_note(b'{"ddp_steps": 9223372036854775807}')
+    assert store_values.heartbeat(json.dumps({**beat, "pid": 2**40}).encode())["pid"] is None  # no process has it
+    assert store_values.heartbeat(json.dumps({**beat, "pid": 4242}).encode())["pid"] == 4242
+
+
+def test_dptrain_run_refuses_the_same_counts_for_its_own_job(monkeypatch):
+    # The bounds are the launcher's own: a job it starts never has its values refused by its other nodes.
+    assert store_values.MAX_NPROC_PER_NODE == store_values.PID_MAX_LIMIT // preflight.TASKS_PER_RANK
+    assert store_values.MAX_GENERATION == _settings.SETTINGS["DPTRAIN_GENERATION"].high
+    preflight.check_size(1024, 1024)
+    with pytest.raises(ValueError, match=r"^--nproc-per-node 2 --nnodes 524289: a job of 1048578 ranks is more than "
+                                         r"the 1048576 dptrain runs \(node 0's store holds a connection for each\); "
+                                         r"give fewer nodes or ranks per node$"):
+        preflight.check_size(2, 2**19 + 1)
+    # Where no limit of the machine can be read, the ceiling is still said.
+    monkeypatch.setattr(preflight, "_task_room", lambda: [])
+    monkeypatch.setattr(preflight, "_memory_room", lambda: [])
+    monkeypatch.setattr(preflight, "raise_open_files_limit", lambda: 1 << 90)
+    preflight.check_capacity(store_values.MAX_NPROC_PER_NODE)
+    with pytest.raises(ValueError, match=r"^--nproc-per-node 9223372036854775808: this machine cannot start "
+                                         r"9223372036854775808 ranks: no machine can: Linux runs at most 4194304 "
+                                         r"tasks \(the ceiling of pid_max\) and each rank takes 3; at most 1398101 "
+                                         r"fit on this node$"):
+        preflight.check_capacity(2**63)
 
 
 def test_a_malformed_attempt_number_or_member_list_is_waited_past(client):
