@@ -17,6 +17,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -360,3 +361,24 @@ def test_file_trackers_drop_what_came_after_the_step_a_run_continues_from(tmp_pa
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5]  # step 2 itself stays
+
+
+def test_a_metrics_file_that_is_a_fifo_is_refused_at_once_instead_of_holding_rank_0(tmp_path):
+    from dptrain._settings import NotRegularFile
+
+    path = tmp_path / "metrics.csv"
+    os.mkfifo(path)
+    model = torch.nn.Linear(2, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+    trainer = dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dptrain.prepare_dataloader(data, 4),
+                              torch.nn.MSELoss(), dptrain.TrainerConfig(metrics_path=str(path), verbose=False))
+    done = []
+    worker = threading.Thread(target=lambda: done.append(pytest.raises(NotRegularFile, trainer.fit, max_epochs=1)),
+                              daemon=True)
+    worker.start()
+    worker.join(20)
+    if worker.is_alive():  # today's failure: open() waits for a reader; let it go, then fail
+        with open(path):
+            pass
+        pytest.fail("rank 0 waited in open() on the FIFO")
+    assert done and "is a FIFO (named pipe), not a regular file" in str(done[0].value)

@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any, Mapping
 
+from dptrain._settings import open_regular
 from dptrain.train.trackers.base import Tracker, plain
 
 __all__ = ["CSVTracker"]
@@ -48,6 +49,8 @@ class CSVTracker(Tracker):
 
     def start(self, run_id: str | None, resume_step: int | None) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        if os.path.lexists(self.path):  # a FIFO there would hold rank 0 in open() forever: refuse it at once
+            os.close(open_regular(self.path))
         if resume_step is None or not os.path.exists(self.path):
             self._fh = open(self.path, "w", newline="")
         else:
