@@ -76,8 +76,10 @@ def shard_train_loader(loader: Any, world_size: int, seed: int, enabled: bool, u
                 f"Trainer: the train loader reads a stream (an IterableDataset), which every rank would read whole; "
                 f"it is rebuilt as a dptrain.data.StreamLoader with the same batch size, collate_fn and workers: each "
                 f"sample goes to one of the {world_size} ranks and one worker, every rank takes the same number of "
-                f"steps (uneven={uneven!r}), and its position resumes mid-epoch. "
-                f"TrainerConfig(use_distributed_sampler=False) keeps the loader as it is"
+                f"steps (uneven={uneven!r}), and its position resumes mid-epoch. If the stream already yields "
+                f"only this rank's share (its __iter__ reads dptrain.rank() or torch.distributed.get_rank()), it "
+                f"would now be split twice: pass TrainerConfig(use_distributed_sampler=False) to keep the loader "
+                f"as it is, or better, give it the whole stream"
             )
         return rebuilt
     if world_size == 1 or not isinstance(loader, tud.DataLoader) or _is_distributed(loader):
