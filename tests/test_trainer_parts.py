@@ -40,7 +40,7 @@ def test_a_checkpoint_of_the_parts_restores_fresh_parts(tmp_path):
     stopper.best, stopper.best_epoch, stopper.wait = 0.75, 1, 1
     path = parts.checkpointer.save(parts.to_save(None), epoch=1, step=4)
     assert list(checkpoint.load(path, map_location="cpu")) == [
-        "format", "world_size", "job", "model", "optimizer", "train_state", "scheduler", "per_rank", "train_loader",
+        "format", "world_size", "job", "lineage", "model", "optimizer", "train_state", "scheduler", "per_rank", "train_loader",
         "callbacks", "best_model", "strategy", "config", "sharded",
     ]  # fmt: skip
 
