@@ -317,10 +317,14 @@ class Trainer:
                 f"was passed too; keep one of them"
             )
 
+    def _users_own(self, hook: str) -> bool:
+        """Whether ``hook`` (``"training_step"``, ``"evaluation_step"``) is the user's: passed to the
+        Trainer (an instance attribute) or overridden in a subclass."""
+        return hook in vars(self) or getattr(type(self), hook) is not getattr(Trainer, hook)
+
     def _own_evaluation(self) -> bool:
         """Whether evaluation goes through :meth:`evaluation_step` (averaged) rather than the exact gathering."""
-        return self.loss_fn is None or "evaluation_step" in vars(self) or (
-            type(self).evaluation_step is not Trainer.evaluation_step)
+        return self.loss_fn is None or self._users_own("evaluation_step")
 
     # ------------------------------------------------------------------ the step --------
     def training_step(self, model: nn.Module, batch: Any) -> Any:
@@ -666,7 +670,7 @@ class Trainer:
 
     def _samples_in(self, batch: Any) -> int:
         """The samples of one batch, for the epoch's mean loss and the samples/s."""
-        if self.loss_fn is not None and type(self).training_step is Trainer.training_step and "training_step" not in vars(self):
+        if self.loss_fn is not None and not self._users_own("training_step"):
             return num_samples(split_batch(batch)[1])  # (inputs, targets): as many as targets
         return batch_size_of(batch)
 
@@ -852,8 +856,9 @@ class Trainer:
             _after_sync()
         net = self.strategy.eval_module(self.model)
         streamed = isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
-        if self._own_evaluation() or streamed:
-            step = self.evaluation_step if self._own_evaluation() else self._batch_metrics
+        own = self._own_evaluation()
+        if own or streamed:
+            step = self.evaluation_step if own else self._batch_metrics
             return evaluation.evaluate_steps(step, net, loader, device=self.device, lockstep=self.strategy.lockstep_eval,
                                              autocast=self._autocast)
         return evaluation.evaluate(
