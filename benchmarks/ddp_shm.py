@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import time
 
@@ -113,6 +114,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant (ResNet; MLPs get twice)")
     parser.add_argument("--quick", action="store_true", help="3 timed steps per variant")
     parser.add_argument("--only", choices=sorted(TABLES), action="append", help="run only these tables")
+    parser.add_argument("--out", default=None, help="also write the results as JSON here (benchmarks/compare.py reads it)")
     args = parser.parse_args()
     steps = args.steps or (3 if args.quick else 10)
     warmup = 1 if args.quick else 2
@@ -128,6 +130,11 @@ def main() -> None:
         ref = next(t for label, t, _, _ in res[table] if label == ref_label)
         for label, t, c, nbytes in res[table]:
             print(f"| {table} | {label} | {t:.4f} | {t / ref:.3f} | {c:.4f} | {nbytes / 2**20:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({table: {label: {"step_s": t, "cpu_s": c, "ratio": t / next(
+                r[1] for r in res[table] if r[0] == TABLES[table][2])} for label, t, c, _ in res[table]}
+                for table in tables}, f, indent=1)
 
 
 def _loadavg() -> str:

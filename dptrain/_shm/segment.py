@@ -43,8 +43,8 @@ since each element is summed once and copied to all.
 [Note: waiting]
 A barrier stores this rank's incremented counter and wakes its waiters (``FUTEX_WAKE``),
 then waits for every other counter to reach the same value: a few reads, then
-``FUTEX_WAIT`` (through ``ctypes``; it releases the GIL) in slices of
-``_WAIT_SLICE_S``, so a waiting rank sleeps in the kernel and burns no core. After each
+``FUTEX_WAIT`` (through ``ctypes``; it releases the GIL) in slices of 100 ms (5 ms under
+in-place recovery), so a waiting rank sleeps in the kernel and burns no core. After each
 slice it checks the deadline (dptrain's collective timeout) and whether the missing rank
 still lives: each rank holds a POSIX record lock on one byte of the segment, which the
 kernel drops when the process dies, so a dead rank is noticed within a slice even across
@@ -86,9 +86,13 @@ _SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: chunk and buffer alignment (a cache line)
 _PAGE = 4096
 # Longest sleep between deadline / liveness checks: a survivor waiting in an all-reduce with a rank
-# that died notices it within a slice, and in-place recovery starts from there. A look costs about
-# 30 us (a lock test, /proc/PID/stat): every 5 ms, under 1% of a waiting core.
-_WAIT_SLICE_S = 0.005
+# that died notices it within a slice. Under in-place recovery (dptrain run --recovery in-place) the
+# recovery starts from there, so the slice is short; a look costs about 30 us (a lock test,
+# /proc/PID/stat): every 5 ms, under 1% of a waiting core. Without it a death ends the whole job
+# anyway and the long slice keeps a waiting worker from waking (and taking a core from the compute
+# of a busy node) 200 times a second for nothing. See [Note: the wait's cost].
+_WAIT_SLICE_S = 0.1
+_WAIT_SLICE_RECOVERY_S = 0.005
 _SPIN_READS = 32  # counter reads before sleeping in the kernel
 
 # ---------------------------------------------------------------------------------- futex
@@ -207,6 +211,8 @@ class _Segment:
         self.closed = False
         self.path = ""
         self.processes: list[tuple[int, int | None] | None] = [None] * self.n  # (pid, start time) where visible
+        in_place = _settings.get("DPTRAIN_RECOVERY") == "in-place"
+        self.slice_s = _WAIT_SLICE_RECOVERY_S if in_place else _WAIT_SLICE_S  # see _WAIT_SLICE_S
 
     # ---- addresses
     def view(self, j: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -297,6 +303,12 @@ class _Segment:
         for _ in range(_SPIN_READS):
             if arrived():
                 return
+        # [Note: the wait's cost]
+        # Most waits end with the peer's wake-up within the first sleep: its liveness is looked at
+        # only once a whole slice passed without it (a look reads /proc), and the slice is long
+        # unless in-place recovery needs a death seen at once. Both were paid on every wait of
+        # every bucket before (a look before the first sleep, a 5 ms slice for every job).
+        look = False
         while True:
             seen = counter.value
             if arrived():
@@ -305,11 +317,12 @@ class _Segment:
                 self.broken = f"the shared-memory group was aborted ({self.aborted})"
                 raise ShmPeerError(f"shared memory: {op} abandoned: {self.aborted}")
             now = time.monotonic()
-            if now >= deadline or not self.alive(j):
+            if now >= deadline or (look and not self.alive(j)):
                 if arrived():  # it arrived, then finished and exited, just now
                     return
                 self._fail(j, op, timed_out=now >= deadline)
-            _futex_wait(self.addrs[j], seen, min(_WAIT_SLICE_S, max(deadline - now, 0.001)))
+            look = True
+            _futex_wait(self.addrs[j], seen, min(self.slice_s, max(deadline - now, 0.001)))
 
     def _fail(self, j: int, op: str, timed_out: bool) -> None:
         who = self.ranks[j]
@@ -325,7 +338,7 @@ class _Segment:
 
         For a group whose process group is gone (in-place recovery): a peer that is alive but
         will never issue the collective this rank waits in would otherwise hold the worker
-        until the collective timeout. The waiter sleeps in slices of ``_WAIT_SLICE_S`` and
+        until the collective timeout. The waiter sleeps in slices of ``slice_s`` and
         checks the flag after each; the wake-up below cuts the slice short.
         """
         self.aborted = reason
