@@ -219,14 +219,15 @@ class StoreServer(SelectorLoop):
     ``max_bytes`` (None: ``default_max_bytes()``) bound what it holds; see [Note: what the
     store refuses]. ``check_uid`` (default True): on Linux, a connection on a loopback address
     from another user's socket is closed at once, with one line naming its uid and port (see
-    [Note: only the job's own user on loopback] in ``_admission``).
+    [Note: only the job's own user on loopback] in ``_admission``). ``log`` prints one line
+    (default: standard error).
     """
 
     prefix = "dptrain: "
     tick_s = 1.0
 
     def __init__(self, sock: socket.socket, max_connections: int | None = None, max_bytes: int | None = None,
-                 check_uid: bool = True) -> None:
+                 check_uid: bool = True, log=None) -> None:
         self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
         limit = raise_open_files_limit()
         self.max_connections = limit - min(FD_RESERVE, limit // 2) if max_connections is None else max_connections
@@ -240,7 +241,7 @@ class StoreServer(SelectorLoop):
         self.waiting: dict[bytes, list[_Conn]] = {}
         self.conns: set[_Conn] = set()
         self._handshakes: dict[_Conn, float] = {}  # connections yet to send the handshake -> deadline
-        super().__init__(sock, "dptrain-store", check_uid=check_uid)
+        super().__init__(sock, "dptrain-store", log=log, check_uid=check_uid)
 
     # -- the loop (see _loop.SelectorLoop) ---------------------------------------------------
     def _event(self, conn: _Conn, events: int) -> None:
