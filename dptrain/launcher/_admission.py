@@ -28,23 +28,26 @@ A store on 127.0.0.1 (one node), a forwarder (the other nodes' ranks' way to nod
 gate reached on loopback can be reached by every user of the machine: on a login node or a
 shared GPU server another user could read the job's keys, stop it by writing
 ``launcher/failed/<k>``, or ride on the forwarder's handshake into node 0's store. TCP has no
-credentials, but on Linux the kernel lists every socket of the network namespace with its
-owner's uid in ``/proc/net/tcp`` and ``/proc/net/tcp6``: the peer of an accepted loopback
-connection is the entry whose local address is the connection's remote one and the other way
-round. The listeners close a connection whose peer belongs to another uid than the job's
+credentials, but on Linux the kernel knows every socket of the network namespace with its
+owner's uid: the peer of an accepted loopback connection is the socket whose own address is
+the connection's remote one and the other way round. It is asked by sock_diag (netlink, an
+exact lookup by those addresses, as ``ss`` does; about 0.15 ms), else read from
+``/proc/net/tcp`` and ``/proc/net/tcp6``, which the kernel writes by walking all its sockets:
+tens of milliseconds on a busy host, once per batch of accepted connections. The listeners close a connection whose peer belongs to another uid than the job's
 (``os.geteuid()`` of the launcher: its ranks are its children) and say so in one line naming
 the uid and the port (at most once per ``SAY_EVERY_S`` for each uid, so a flood does not flood
 the log). Root (uid 0) is refused too when the job is not root's: root can read the job's
 memory anyway, so this guards against other users, not against root, but the rule has no
 exception that would let a root-run tool in unnoticed. A peer that is not listed (it closed
-already) is refused too. Where ``/proc/net/tcp`` cannot be read (not Linux, or hidden) the
+already) is refused too. Where neither can be asked (not Linux, or /proc hidden) the
 check is off and connections are let in as before; ``DPTRAIN_STORE=torch`` hosts a one-node
-store with torch's server, which has no such check. The file is read once per batch of
-accepted connections, never per request: see ``benchmarks/RESULTS.md`` for the cost.
+store with torch's server, which has no such check. The lookup is made when a connection is
+accepted, never per request: see ``benchmarks/RESULTS.md`` for the cost.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
@@ -207,13 +210,81 @@ def _hex(host: str, port: int) -> tuple[str, str]:
     return (f"{four}:{port:04X}" if four else ""), f"{six}:{port:04X}"
 
 
-def tables_readable() -> bool:
-    """Whether this machine lists its sockets' owners (``/proc/net/tcp``): the uid check is on.
+#: Linux's sock_diag: one exact lookup of a socket by its addresses (what ``ss`` uses).
+_NETLINK_SOCK_DIAG, _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, _NLMSG_ERROR = 4, 20, 1, 2
+_NOCOOKIE = 0xFFFFFFFF
+_UID_AT = 16 + 4 + 48 + 12  # nlmsghdr, then inet_diag_msg: family..retrans, sockid, expires..wqueue
 
-    Asked once, when a listener starts; a table that cannot be read later (no descriptor left)
-    refuses the loopback connections of that moment instead of letting them in.
+
+class _NoDiag(Exception):
+    """sock_diag cannot answer here (not Linux, or no inet_diag in the kernel)."""
+
+
+def _diag_request(seq: int, local, remote) -> bytes:
+    """A sock_diag request for the TCP socket whose own address is ``local`` and peer ``remote``."""
+    family = socket.AF_INET6 if ":" in local[0] else socket.AF_INET
+
+    def packed(host: str) -> bytes:
+        return socket.inet_pton(family, host.split("%", 1)[0]).ljust(16, b"\0")
+
+    sockid = (struct.pack("!HH", local[1], remote[1]) + packed(local[0]) + packed(remote[0])
+              + struct.pack("=III", 0, _NOCOOKIE, _NOCOOKIE))
+    body = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sockid
+    return struct.pack("=IHHII", 16 + len(body), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, seq, 0) + body
+
+
+def _uids_by_diag(pairs: list) -> dict:
+    """The peers' uids by sock_diag: one exact lookup each (about 0.15 ms), however many sockets
+    the machine has. Raises ``_NoDiag`` where it cannot answer."""
+    try:
+        nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG)
+    except (AttributeError, OSError) as exc:
+        raise _NoDiag(str(exc)) from None
+    found: dict = {}
+    try:
+        nl.settimeout(1.0)  # the kernel answers at once; never a hang of the loop
+        asked = {}
+        for seq, (local, remote) in enumerate(pairs, 1):
+            # The peer's own socket: its address is our remote one, its peer our local one.
+            nl.send(_diag_request(seq, remote, local))
+            asked[seq] = remote
+        while asked:
+            data = nl.recv(1 << 16)
+            at = 0
+            while at + 16 <= len(data):
+                length, kind, _, seq, _ = struct.unpack_from("=IHHII", data, at)
+                remote = asked.pop(seq, None)
+                if kind == _NLMSG_ERROR:
+                    code = -struct.unpack_from("=i", data, at + 16)[0]
+                    if code not in (errno.ENOENT, 0):
+                        raise _NoDiag(os.strerror(code))
+                    if remote is not None:
+                        found[remote] = None
+                elif remote is not None and length >= _UID_AT + 4:
+                    found[remote] = struct.unpack_from("=I", data, at + _UID_AT)[0]
+                at += max(length, 16) + (-length % 4)
+    except (OSError, struct.error) as exc:
+        raise _NoDiag(str(exc)) from None
+    finally:
+        nl.close()
+    return found
+
+
+def tables_readable() -> bool:
+    """Whether this machine can say who owns a socket (sock_diag, or ``/proc/net/tcp``): the
+    uid check is on.
+
+    Asked once, when a listener starts; a lookup that fails later (no descriptor left) refuses
+    the loopback connections of that moment instead of letting them in.
     """
-    return any(os.access(path, os.R_OK) for path in _TCP_TABLES)
+    try:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            probe.listen(1)
+            _uids_by_diag([(probe.getsockname(), ("127.0.0.1", 1))])
+        return True
+    except (_NoDiag, OSError):
+        return any(os.access(path, os.R_OK) for path in _TCP_TABLES)
 
 
 def peer_uids(pairs: Iterable[tuple[tuple, tuple]]) -> dict[tuple, int | None] | None:
@@ -221,9 +292,16 @@ def peer_uids(pairs: Iterable[tuple[tuple, tuple]]) -> dict[tuple, int | None] |
 
     ``pairs``: ``(local, remote)`` addresses as ``getsockname()`` and ``accept`` give them. The
     answer maps each remote address to its owner's uid, or None where no socket was found (it
-    closed already). Returns None when the tables cannot be read (not Linux): the check is off.
-    Reads each table once, however many pairs are asked about.
+    closed already). Asks sock_diag (an exact lookup per socket); where that cannot answer,
+    reads ``/proc/net/tcp`` and ``/proc/net/tcp6`` once for all the pairs (the kernel walks
+    all its sockets for that: tens of ms on a busy host). Returns None when neither can be read
+    (not Linux): the check is off.
     """
+    pairs = list(pairs)
+    try:
+        return _uids_by_diag(pairs)
+    except _NoDiag:
+        pass
     wanted: dict[str, tuple] = {}
     for local, remote in pairs:
         mine4, mine6 = _hex(local[0], local[1])

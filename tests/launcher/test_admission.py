@@ -356,8 +356,29 @@ def test_another_user_cannot_ride_a_forwarders_handshake_into_node_0(job):
         forwarder.close()
 
 
+def _no_diag(pairs):
+    raise _admission._NoDiag("not here")
+
+
+def test_the_kernels_table_answers_where_sock_diag_cannot(monkeypatch):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        client = socket.create_connection(listener.getsockname())
+        accepted, remote = listener.accept()
+        try:
+            pairs = [(accepted.getsockname(), remote), (accepted.getsockname(), ("127.0.0.1", 1))]
+            by_diag = peer_uids(pairs)
+            monkeypatch.setattr(_admission, "_uids_by_diag", _no_diag)
+            assert peer_uids(pairs) == by_diag == {remote: os.geteuid(), ("127.0.0.1", 1): None}
+        finally:
+            client.close()
+            accepted.close()
+
+
 def test_the_uid_check_is_off_where_the_kernel_lists_no_owners(monkeypatch):
     # Not Linux, or /proc hidden: connections are let in as before (said in the README).
+    monkeypatch.setattr(_admission, "_uids_by_diag", _no_diag)
     monkeypatch.setattr(_admission, "_TCP_TABLES", ("/nonexistent/tcp",))
     store = StoreServer(listen_on("127.0.0.1", 0))
     try:
