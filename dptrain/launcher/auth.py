@@ -52,8 +52,9 @@ job, and what keeps outsiders out is authentication; encrypting the store alone 
 gloo's and NCCL's traffic private.
 
 A single node needs no secret: its store listens on 127.0.0.1 only, and nothing of the job
-listens on the network (gloo is pointed at the loopback interface). Loopback is not guarded on
-any node: anyone logged in on a machine of the job can reach it, as with torchrun.
+listens on the network (gloo is pointed at the loopback interface). On loopback the store, the
+forwarder and the gate let in only the job's own user (see [Note: only the job's own user on
+loopback] in ``_admission``); gloo's own connections there are open to every local user.
 
 Pure functions and generators here (no sockets of their own): ``server`` and ``client`` are the
 two sides as generators that say what to send and how many bytes they need next, driven by
