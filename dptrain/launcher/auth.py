@@ -22,7 +22,7 @@ The handshake (version 1), on a new connection to the gate, the gate speaking fi
 
     gate   -> client: b"DPTA" version nonce_s                          (4 + 1 + 32 bytes)
     client -> gate:   b"DPTA" version nonce_c proof_c                  (4 + 1 + 32 + 32)
-    gate   -> client: proof_s                                          (32)
+    gate   -> client: proof_s, or REFUSED when proof_c is wrong          (32)
 
     proof_c = HMAC-SHA256(secret, b"dptrain auth v1 client" + nonce_s + nonce_c)
     proof_s = HMAC-SHA256(secret, b"dptrain auth v1 server" + nonce_s + nonce_c)
@@ -31,7 +31,12 @@ Both nonces are fresh random bytes, so a recorded answer proves nothing on anoth
 (no replay); the two labels differ, so one side's proof is never the other's (no
 reflection); the gate checks ``proof_c`` (``hmac.compare_digest``) before it sends anything
 but its challenge, and the client checks ``proof_s`` before it sends a byte of a rank's, so
-each side knows it talks to the job (mutual). A TCPStore client's first bytes are not the
+each side knows it talks to the job (mutual). A gate that finds ``proof_c`` wrong says
+``REFUSED`` (a fixed 32 bytes no HMAC is expected to equal) before it closes: the node then
+knows that its secret does not match (``AuthMismatch``, final), where a connection closed or
+cut during the handshake (``AuthClosed``: a flood evicted it, see [Note: a flood of silent
+connections] in ``_admission``) is worth another try. REFUSED proves nothing (anyone on the
+path could send it), but whoever can forge it could also cut the connection. A TCPStore client's first bytes are not the
 magic, so it is closed at once (and reads the challenge as a wrong answer to its ping). The proofs do not cover the addresses: NAT and container port
 maps change them on the way, and binding them would stop real jobs. What it does not give is
 what TLS would: an attacker on the path between two nodes, who can read and change the
@@ -47,8 +52,9 @@ job, and what keeps outsiders out is authentication; encrypting the store alone 
 gloo's and NCCL's traffic private.
 
 A single node needs no secret: its store listens on 127.0.0.1 only, and nothing of the job
-listens on the network (gloo is pointed at the loopback interface). Loopback is not guarded on
-any node: anyone logged in on a machine of the job can reach it, as with torchrun.
+listens on the network (gloo is pointed at the loopback interface). On loopback the store, the
+forwarder and the gate let in only the job's own user (see [Note: only the job's own user on
+loopback] in ``_admission``); gloo's own connections there are open to every local user.
 
 Pure functions and generators here (no sockets of their own): ``server`` and ``client`` are the
 two sides as generators that say what to send and how many bytes they need next, driven by
@@ -68,7 +74,7 @@ from typing import Generator, Mapping
 
 from dptrain import _settings
 
-__all__ = ["AuthError", "load_secret", "server", "client", "run_blocking", "MAGIC", "VERSION", "HANDSHAKE_S",
+__all__ = ["AuthError", "AuthMismatch", "AuthClosed", "load_secret", "server", "client", "run_blocking", "MAGIC", "VERSION", "HANDSHAKE_S",
            "GENERATE"]
 
 MAGIC = b"DPTA"
@@ -78,6 +84,9 @@ PROOF = 32  # SHA-256
 HEAD = len(MAGIC) + 1
 #: Seconds either side waits for the other's part of the handshake.
 HANDSHAKE_S = 10.0
+#: What the gate answers a wrong proof with, instead of its own proof.
+REFUSED = b"DPTA:refused:secret-not-matching"
+assert len(REFUSED) == PROOF
 #: The shortest secret taken, in bytes (the same rule as ``DPTRAIN_SECRET``'s).
 MIN_CHARS = _settings.MIN_SECRET_CHARS
 #: A command that writes a good secret file (shown in messages and docs).
@@ -90,6 +99,22 @@ Step = Generator[tuple[bytes, int], bytes, None]
 
 class AuthError(Exception):
     """The other side did not prove it knows the job's secret (or speaks another protocol)."""
+
+
+class AuthMismatch(AuthError):
+    """The secrets differ: the gate refused this side's proof, or the gate's proof is wrong."""
+
+
+class AuthClosed(AuthError):
+    """The connection closed, broke or went silent during the handshake: nothing was proved
+    either way, so another try may pass (see [Note: a flood of silent connections] in ``_admission``).
+
+    ``heard``: whether the gate's challenge had arrived (a dptrain gate answered).
+    """
+
+    def __init__(self, message: str, heard: bool = False) -> None:
+        super().__init__(message)
+        self.heard = heard
 
 
 # -- the secret ---------------------------------------------------------------------------------
@@ -161,7 +186,8 @@ def server(secret: bytes) -> Step:
     rest = yield b"", NONCE + PROOF
     nonce_c, proof_c = rest[:NONCE], rest[NONCE:]
     if not hmac.compare_digest(proof_c, _proof(secret, b"client", nonce_s, nonce_c)):
-        raise AuthError("the client does not know the job's secret")
+        yield REFUSED, 0  # the driver sends it before it closes
+        raise AuthMismatch("the client does not know the job's secret")
     yield _proof(secret, b"server", nonce_s, nonce_c), 0
 
 
@@ -173,18 +199,23 @@ def client(secret: bytes) -> Step:
     nonce_s = yield b"", NONCE
     answer = MAGIC + bytes([VERSION]) + nonce_c + _proof(secret, b"client", nonce_s, nonce_c)
     proof_s = yield answer, PROOF
+    if proof_s == REFUSED:
+        raise AuthMismatch("the secret does not match: the rendezvous refused this node's proof")
     if not hmac.compare_digest(proof_s, _proof(secret, b"server", nonce_s, nonce_c)):
-        raise AuthError("the rendezvous does not know the job's secret")
+        raise AuthMismatch("the rendezvous does not know the job's secret")
 
 
 def run_blocking(sock: socket.socket, step: Step, timeout_s: float = HANDSHAKE_S) -> None:
     """Drive ``step`` over the blocking socket ``sock`` within ``timeout_s``.
 
-    Raises ``AuthError`` (the other side failed or closed the connection, or it ran past the
-    time); the socket is left in blocking mode without a timeout.
+    Raises ``AuthMismatch`` (the secrets differ), ``AuthClosed`` (the connection closed or broke
+    during the handshake, or went silent after the other side spoke: worth another try) or
+    ``AuthError`` (another protocol, another version, or no word at all within the time); the
+    socket is left in blocking mode without a timeout.
     """
     deadline = time.monotonic() + timeout_s
     data = None
+    heard = False
     try:
         while True:
             send, need = step.send(data)
@@ -198,13 +229,18 @@ def run_blocking(sock: socket.socket, step: Step, timeout_s: float = HANDSHAKE_S
                 sock.settimeout(left)
                 chunk = sock.recv(need - len(data))
                 if not chunk:
-                    raise AuthError("the rendezvous closed the connection during the handshake")
+                    raise AuthClosed("the rendezvous closed the connection during the handshake", heard)
+                heard = True
                 data += chunk
     except StopIteration:
         return
     except socket.timeout:
-        raise AuthError(f"no answer to the handshake within {timeout_s:g}s") from None
+        if heard:
+            raise AuthClosed(f"no answer to the handshake within {timeout_s:g}s", heard) from None
+        # Not a word: a gate sends its challenge as soon as it accepts, so this is something else.
+        raise AuthError(f"no challenge within {timeout_s:g}s: it is not a dptrain gate (is node 0 run without "
+                        f"a secret?)") from None
     except OSError as exc:
-        raise AuthError(f"the connection broke during the handshake ({exc.strerror or exc})") from None
+        raise AuthClosed(f"the connection broke during the handshake ({exc.strerror or exc})", heard) from None
     finally:
         sock.settimeout(None)

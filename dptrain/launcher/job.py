@@ -309,7 +309,7 @@ class _Job:
             self.ranks_at = self.store_at[:2]
             if secret is not None:
                 self._open_store()  # a wrong secret ends here, before any rank starts
-                self.forwarder = Forwarder(self.host, config.master_port, secret, self.log)
+                self.forwarder = Forwarder(self.host, config.master_port, secret, self.log, retry_s=config.wait_s)
                 self.ranks_at = ("127.0.0.1", self.forwarder.port)
 
     def _interrupted(self) -> bool:

@@ -52,18 +52,16 @@ one line per kind of refusal.
 
 from __future__ import annotations
 
-import errno
 import re
 import selectors
 import socket
 import struct
-import sys
-import threading
 import time
 from collections import deque
 
 from dptrain import _settings
 from dptrain import _torch_version as _torch_version_module
+from dptrain.launcher._loop import ACCEPT_RETRY_S, LISTEN_BACKLOG, SelectorLoop  # noqa: F401 - re-exported
 from dptrain.launcher.store_client import (ADD, APPEND, CANCEL_WAIT, CHECK, COMPARE_SET, DELETE_KEY, GET, MAGIC,
                                            MULTI_GET, MULTI_SET, NOT_READY, NUM_KEYS, PING, QUEUE_LEN, QUEUE_POP,
                                            QUEUE_PUSH, READY, SET, STOP_WAITING, VALIDATE, WAIT, WAIT_CANCELED,
@@ -79,16 +77,11 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 #: The newest torch whose clients were tested against this server (tests/launcher/test_store.py).
 TESTED_TORCH = (2, 13)
 
-#: Connections that may wait to be accepted. The kernel caps it at net.core.somaxconn (4096
-#: by default since Linux 5.4): the host's maximum, which torch's server asks for too.
-LISTEN_BACKLOG = 65535
 #: Open-file descriptors the server leaves to the rest of its process, at most half of them
 #: (see [Note: what the store refuses]).
 FD_RESERVE = 128
 #: Seconds a new connection has to send TCPStore's handshake.
 HANDSHAKE_S = 30.0
-#: Seconds to wait before accepting again after ``accept`` found no free descriptor.
-ACCEPT_RETRY_S = 0.2
 #: Bytes of answers a client may leave unread before the server stops reading its requests.
 MAX_UNREAD = 16 * 1024 * 1024
 #: What one job may store by default, in MiB (``DPTRAIN_STORE_MAX_MB``).
@@ -216,7 +209,7 @@ class _Conn:
             return str(self.peer)
 
 
-class StoreServer:
+class StoreServer(SelectorLoop):
     """Serves the store on a listening socket from a thread of its own until ``close()``.
 
     All state lives on that thread (one selector loop, as torch's libuv server), so no
@@ -224,17 +217,22 @@ class StoreServer:
     listens again with ``LISTEN_BACKLOG``, as torch's server does with a socket it is given).
     ``max_connections`` (None: the open-files limit less ``FD_RESERVE``, or half of it) and
     ``max_bytes`` (None: ``default_max_bytes()``) bound what it holds; see [Note: what the
-    store refuses].
+    store refuses]. ``check_uid`` (default True): on Linux, a connection on a loopback address
+    from another user's socket is closed at once, with one line naming its uid and port (see
+    [Note: only the job's own user on loopback] in ``_admission``). ``log`` prints one line
+    (default: standard error).
     """
 
-    def __init__(self, sock: socket.socket, max_connections: int | None = None, max_bytes: int | None = None) -> None:
+    prefix = "dptrain: "
+    tick_s = 1.0
+
+    def __init__(self, sock: socket.socket, max_connections: int | None = None, max_bytes: int | None = None,
+                 check_uid: bool = True, log=None) -> None:
         self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
         limit = raise_open_files_limit()
         self.max_connections = limit - min(FD_RESERVE, limit // 2) if max_connections is None else max_connections
-        sock.setblocking(False)
-        sock.listen(LISTEN_BACKLOG)
-        self.sock = sock
-        self.port = sock.getsockname()[1]
+        host, port = sock.getsockname()[:2]
+        self.what = f"the rendezvous store on {host}:{port}"
         self.data: dict[bytes, bytes] = {}
         self.queues: dict[bytes, deque] = {}
         self.counters: set[bytes] = set()  # keys that add made (see [Note: what the store refuses])
@@ -243,111 +241,50 @@ class StoreServer:
         self.waiting: dict[bytes, list[_Conn]] = {}
         self.conns: set[_Conn] = set()
         self._handshakes: dict[_Conn, float] = {}  # connections yet to send the handshake -> deadline
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._stop = False
-        self._said: set[str] = set()  # kinds of trouble already reported
-        self._accepting = True
-        self._resume_at: float | None = None  # when to accept again after running out of descriptors
-        self._selector.register(sock, selectors.EVENT_READ, None)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._thread = threading.Thread(target=self._loop, name="dptrain-store", daemon=True)
-        self._thread.start()
+        super().__init__(sock, "dptrain-store", log=log, check_uid=check_uid)
 
-    def close(self) -> None:
-        """Stop serving, close every connection and the listening socket (idempotent)."""
-        if self._stop:
-            return
-        self._stop = True
+    # -- the loop (see _loop.SelectorLoop) ---------------------------------------------------
+    def _event(self, conn: _Conn, events: int) -> None:
         try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        self._thread.join(timeout=5)
+            if events & selectors.EVENT_WRITE:
+                self._flush(conn)
+                if conn.inbuf and conn in self.conns:
+                    self._feed(conn)  # requests held back while its answers were unread
+            if events & selectors.EVENT_READ and conn in self.conns:
+                self._read(conn)
+        except Exception as exc:  # noqa: BLE001 - one bad connection must not stop the store
+            self._say("error", f"the rendezvous store closed the connection from {conn.where()}: "
+                               f"{type(exc).__name__}: {exc}")
+            self._drop(conn)
+
+    def _tick(self, now: float) -> None:
+        while self._handshakes:
+            conn, deadline = next(iter(self._handshakes.items()))  # the oldest first
+            if deadline > now:
+                break
+            self._say("handshake", f"the rendezvous store closed the connection from {conn.where()}: no "
+                                   f"TCPStore handshake within {HANDSHAKE_S:.0f}s")
+            self._drop(conn)
+
+    def _shutdown(self) -> None:
         for conn in list(self.conns):
             self._drop(conn)
-        for s in (self.sock, self._wake_r, self._wake_w):
-            try:
-                s.close()
-            except OSError:
-                pass
-        self._selector.close()
 
-    # -- the loop ----------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self._stop:
-            timeout = 1.0 if self._resume_at is None else min(1.0, max(0.0, self._resume_at - time.monotonic()))
-            for key, events in self._selector.select(timeout=timeout):
-                if key.data == "wake":
-                    return
-                if key.data is None:
-                    self._accept()
-                    continue
-                conn = key.data
-                try:
-                    if events & selectors.EVENT_WRITE:
-                        self._flush(conn)
-                        if conn.inbuf and conn in self.conns:
-                            self._feed(conn)  # requests held back while its answers were unread
-                    if events & selectors.EVENT_READ and conn in self.conns:
-                        self._read(conn)
-                except Exception as exc:  # noqa: BLE001 - one bad connection must not stop the store
-                    self._say("error", f"the rendezvous store closed the connection from {conn.where()}: "
-                                       f"{type(exc).__name__}: {exc}")
-                    self._drop(conn)
-            now = time.monotonic()
-            if self._resume_at is not None and now >= self._resume_at:
-                self._listen(True)
-            while self._handshakes:
-                conn, deadline = next(iter(self._handshakes.items()))  # the oldest first
-                if deadline > now:
-                    break
-                self._say("handshake", f"the rendezvous store closed the connection from {conn.where()}: no "
-                                       f"TCPStore handshake within {HANDSHAKE_S:.0f}s")
-                self._drop(conn)
+    def _full(self, accepted: int) -> str | None:
+        if len(self.conns) + accepted < self.max_connections:
+            return None
+        return (f"dptrain: the rendezvous store holds {len(self.conns) + accepted} connections, the most it takes; "
+                f"new ones wait until one closes. A job of more ranks needs a higher limit on open files "
+                f"(`ulimit -Hn`)")
 
-    def _listen(self, on: bool, retry_at: float | None = None) -> None:
-        """Accept connections again, or stop until a connection closes (``retry_at`` None) or until ``retry_at``."""
-        self._resume_at = None if on else retry_at
-        if on != self._accepting and not self._stop:
-            self._accepting = on
-            if on:
-                self._selector.register(self.sock, selectors.EVENT_READ, None)
-            else:
-                self._selector.unregister(self.sock)
-
-    def _accept(self) -> None:
-        while True:
-            if len(self.conns) >= self.max_connections:
-                self._say("connections", f"the rendezvous store holds {len(self.conns)} connections, the most it "
-                                         f"takes; new ones wait until one closes. A job of more ranks needs a higher "
-                                         f"limit on open files (`ulimit -Hn`)")
-                self._listen(False)
-                return
-            try:
-                sock, peer = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
-                    continue  # that client gave up before we took it
-                # Out of descriptors (EMFILE, ENFILE) or memory: the waiting connection keeps the
-                # socket readable, so stop listening a while instead of being woken at once, forever.
-                self._say("connections", f"the rendezvous store cannot take more connections ({exc.strerror}, "
-                                         f"{len(self.conns)} open); new ones wait. Raise the limit on open files "
-                                         f"(`ulimit -n`)")
-                self._listen(False, time.monotonic() + ACCEPT_RETRY_S)
-                return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, peer)
-            conn.parser = self._requests(conn)
-            conn.want = next(conn.parser)
-            conn.events = selectors.EVENT_READ
-            self.conns.add(conn)
-            self._handshakes[conn] = time.monotonic() + HANDSHAKE_S
-            self._selector.register(sock, selectors.EVENT_READ, conn)
+    def _accepted(self, sock: socket.socket, peer) -> None:
+        conn = _Conn(sock, peer)
+        conn.parser = self._requests(conn)
+        conn.want = next(conn.parser)
+        conn.events = selectors.EVENT_READ
+        self.conns.add(conn)
+        self._handshakes[conn] = time.monotonic() + HANDSHAKE_S
+        self._selector.register(sock, selectors.EVENT_READ, conn)
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -618,7 +555,4 @@ class StoreServer:
 
     def _say(self, kind: str, message: str) -> None:
         """One line on standard error, the first time this kind of trouble happens."""
-        if kind in self._said:
-            return
-        self._said.add(kind)
-        print(clean(f"dptrain: {message}", 600), file=sys.stderr, flush=True)
+        super()._say(kind, message if message.startswith(self.prefix) else self.prefix + message)

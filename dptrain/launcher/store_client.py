@@ -10,6 +10,7 @@ imports both through :mod:`dptrain.launcher.store`.
 from __future__ import annotations
 
 import datetime
+import random
 import socket
 import struct
 import threading
@@ -73,10 +74,52 @@ class StoreClient:
         ``secret``: the job's, for node 0's gate (see [Note: only the job gets in] in
         :mod:`dptrain.launcher.auth`); the connection passes the handshake before any request.
         Without one, a ping checks that a store answers (and not a gate that asks for a secret).
+        A handshake closed or cut before it was through is tried again with backoff for up to
+        ``timeout`` (or ``connect_timeout``, the longer) seconds in all; a secret that does not
+        match is not.
+
+        Raises:
+            StoreRefused: the secrets differ, the other side is no dptrain gate, or every
+                handshake was refused or closed (the message says which).
+            StoreError: no store answered at ``host:port`` within ``connect_timeout``.
         """
         self.timeout = _seconds(timeout)
         self._lock = threading.Lock()
-        deadline = time.monotonic() + connect_timeout
+        started = time.monotonic()
+        deadline = started + connect_timeout
+        where = f"{host}:{port}"
+        tries = 0
+        while True:
+            self._connect(host, port, deadline)
+            if secret is None:
+                break
+            try:
+                auth.run_blocking(self._sock, auth.client(secret))
+                break
+            except auth.AuthClosed as exc:
+                # Nothing was proved either way (a flood may have evicted it): try again within the
+                # join timeout, see [Note: a flood of silent connections] in _admission.
+                self.close()
+                tries += 1
+                now = time.monotonic()
+                delay = min(1.0, 0.05 * 2 ** tries) * random.uniform(0.5, 1.0)
+                if now + delay - started > max(connect_timeout, self.timeout):
+                    raise StoreRefused(
+                        f"the rendezvous at {where} did not let this node in: the handshake was refused or closed "
+                        f"by the rendezvous ({tries} tries over {now - started:.1f}s; something may be flooding it, "
+                        f"or it is not a dptrain gate). The last try: {exc}") from None
+                time.sleep(delay)
+                deadline = max(deadline, started + max(connect_timeout, self.timeout))  # the gate may be restarting
+            except auth.AuthError as exc:
+                self.close()
+                raise StoreRefused(f"the rendezvous at {where} did not let this node in: {exc}. Give every node the "
+                                   f"same secret (--secret-file, DPTRAIN_SECRET_FILE or DPTRAIN_SECRET)") from None
+        self._send(struct.pack("<BI", VALIDATE, MAGIC))
+        if secret is None:
+            self._check_store(where)
+
+    def _connect(self, host: str, port: int, deadline: float) -> None:
+        """Open the socket, trying again until ``deadline`` while nothing listens."""
         while True:
             try:
                 self._sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
@@ -87,17 +130,6 @@ class StoreClient:
                 time.sleep(0.05)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.settimeout(None)
-        where = f"{host}:{port}"
-        if secret is not None:
-            try:
-                auth.run_blocking(self._sock, auth.client(secret))
-            except auth.AuthError as exc:
-                self.close()
-                raise StoreRefused(f"the rendezvous at {where} did not let this node in: {exc}. Give every node the "
-                                   f"same secret (--secret-file, DPTRAIN_SECRET_FILE or DPTRAIN_SECRET)") from None
-        self._send(struct.pack("<BI", VALIDATE, MAGIC))
-        if secret is None:
-            self._check_store(where)
 
     def _check_store(self, where: str) -> None:
         """A ping: a store answers with its number; node 0's gate, which asks for a secret, with its challenge."""

@@ -1,16 +1,24 @@
 """The pipes between a job's nodes when it has a secret: node 0's gate, the other nodes' forwarders.
 
 See [Note: only the job gets in] in :mod:`dptrain.launcher.auth`. Both are a thread of the
-launcher with one selector loop, which pipes every accepted connection to a connection of its
-own to the target; one side of each pair passes the handshake first:
+launcher with one selector loop (``_loop.SelectorLoop``), which pipes every accepted
+connection to a connection of its own to the target; one side of each pair passes the
+handshake first:
 
 * ``Gate`` (node 0) listens on ``--master-addr:--master-port``; an accepted connection must
   pass the handshake as a client (``auth.server`` runs on it) before the gate connects it to
   the store on 127.0.0.1. Nothing it sends before that reaches the store, and one that fails,
-  or says nothing within ``auth.HANDSHAKE_S``, is closed with no answer but the challenge.
+  says nothing within ``FIRST_BYTE_S`` or is not through within ``auth.HANDSHAKE_S`` is closed
+  with no answer but the challenge (and ``auth.REFUSED`` for a wrong proof). Connections in the
+  handshake are bounded per address and in all, the oldest evicted for a new one (see [Note:
+  a flood of silent connections] in ``_admission``).
 * ``Forwarder`` (every other node) listens on 127.0.0.1 (a free port, handed to the ranks as
   ``MASTER_PORT``); for every accepted connection it opens one to node 0's gate, passes the
-  handshake there (``auth.client``), then sends on what the rank has sent meanwhile.
+  handshake there (``auth.client``), then sends on what the rank has sent meanwhile; a
+  connection to the gate closed during the handshake is made again, within ``retry_s``.
+
+Both refuse a loopback connection from another user's socket (see [Note: only the job's own
+user on loopback] in ``_admission``).
 
 Bytes are passed on as they come, in both directions, and a side that does not read its
 answers is not read from (``MAX_HELD`` bytes at most wait on either side). When one side
@@ -20,32 +28,29 @@ closes, what it sent is delivered and the other side is closed too.
 from __future__ import annotations
 
 import errno
+import random
 import selectors
 import socket
-import sys
-import threading
 import time
 from typing import Callable
 
 from dptrain.launcher import auth
-from dptrain.launcher.store import LISTEN_BACKLOG
-from dptrain.launcher.store_values import clean
+from dptrain.launcher._admission import FIRST_BYTE_S, MAX_PENDING, MAX_PENDING_PER_ADDRESS, Pending
+from dptrain.launcher._loop import SelectorLoop
 
-__all__ = ["Gate", "Forwarder"]
+__all__ = ["Gate", "Forwarder", "RETRY_S"]
 
 #: Bytes that may wait on one side of a pipe before the other side is not read from.
 MAX_HELD = 4 * 1024 * 1024
-#: Connections the gate holds in the handshake at once; further ones are closed at once.
-MAX_PENDING = 4096
-#: Seconds the gate stops accepting after ``accept`` found no free descriptor.
-ACCEPT_RETRY_S = 0.2
+#: Seconds a forwarder keeps making a rank's connection to the gate again (see ``Forwarder``).
+RETRY_S = 60.0
 
 
 class _End:
     """One socket of a pipe: what waits to be written to it, and its handshake while it runs."""
 
     __slots__ = ("sock", "where", "peer", "out", "held", "step", "want", "connecting", "ready", "events", "heard",
-                 "closing")
+                 "closing", "tries", "since")
 
     def __init__(self, sock: socket.socket, where: str) -> None:
         self.sock, self.where = sock, where
@@ -59,90 +64,50 @@ class _End:
         self.events = 0
         self.heard = False  # it sent any byte (a port probe sends none and is closed without a word)
         self.closing = False  # its peer hung up: close it once ``out`` is written
+        self.tries = 0  # a rank's end (forwarder): connections to the gate made again for it
+        self.since = 0.0  # ... since when it waits for one that passes
 
 
-class _Pipes:
-    """The event loop both kinds share: accept, hand each connection its pair, pass bytes on."""
+class _Pipes(SelectorLoop):
+    """The event loop both kinds share (see ``_loop.SelectorLoop``): hand each accepted connection
+    its pair, pass bytes on."""
 
     what = "the rendezvous"
 
     def __init__(self, listener: socket.socket, log: Callable[[str], None] | None) -> None:
-        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self._said: set[str] = set()
-        listener.setblocking(False)
-        listener.listen(LISTEN_BACKLOG)
-        self.sock = listener
-        self.port = listener.getsockname()[1]
         self._ends: set[_End] = set()
-        self._pending: dict[_End, float] = {}  # ends in their handshake -> its deadline
+        self._deadlines: dict[_End, float] = {}  # ends in a handshake of our own as a client -> its deadline
         self._next_expiry = 0.0
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._selector.register(listener, selectors.EVENT_READ, "accept")
-        self._resume_at: float | None = None
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"dptrain-{type(self).__name__.lower()}")
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop: close the listening socket and every pipe (idempotent)."""
-        if self._stop:
-            return
-        self._stop = True
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        self._thread.join(timeout=5)
+        super().__init__(listener, f"dptrain-{type(self).__name__.lower()}", log)
 
     # -- what each kind does with a new connection ---------------------------------------------
-    def _accepted(self, end: _End) -> None:
+    def _new(self, end: _End, peer) -> None:
         raise NotImplementedError
 
     def _through(self, end: _End) -> None:
         """``end`` passed its handshake."""
 
-    # -- the loop --------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            while not self._stop:
-                for key, events in self._selector.select(timeout=0.25):
-                    if key.data == "wake":
-                        self._wake_r.recv(64)
-                    elif key.data == "accept":
-                        self._accept()
-                    else:
-                        self._event(key.data, events)
-                self._expire()
-        finally:
-            for end in list(self._ends):
-                self._close(end)
-            for sock in (self.sock, self._wake_r, self._wake_w):
-                sock.close()
-            self._selector.close()
+    def _heard(self, end: _End) -> None:
+        """``end`` sent its first byte."""
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, peer = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
-                    continue
-                # Out of descriptors: stop listening a while instead of being woken, at once, forever.
-                self._say("descriptors", f"dptrain run: {self.what} cannot take more connections ({exc.strerror}); "
-                                         f"raise the limit on open files (`ulimit -n`)")
-                self._selector.unregister(self.sock)
-                self._resume_at = time.monotonic() + ACCEPT_RETRY_S
-                return
-            end = self._register(sock, f"{peer[0]}:{peer[1]}")
-            self._accepted(end)
+    def _closed(self, end: _End) -> None:
+        """``end`` is closed."""
 
-    def _register(self, sock: socket.socket, where: str, connect_to=None) -> _End:
-        """A new end of a pipe; ``connect_to``: its outgoing connection starts now (not blocking)."""
+    def _lost(self, end: _End, kind: str, why: str) -> bool:
+        """``end`` failed (``kind``: connect, auth, closed, deadline); True: handled (tried again)."""
+        return False
+
+    # -- the loop (see _loop.SelectorLoop) -------------------------------------------------------
+    def _accepted(self, sock: socket.socket, peer) -> None:
+        self._new(self._register(sock, f"{peer[0]}:{peer[1]}"), peer)
+
+    def _shutdown(self) -> None:
+        for end in list(self._ends):
+            self._close(end)
+
+    def _register(self, sock: socket.socket, where: str, connect_to=None) -> _End | None:
+        """A new end of a pipe; ``connect_to``: its outgoing connection starts now (not blocking),
+        None when it failed at once (said)."""
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         end = _End(sock, where)
@@ -150,8 +115,9 @@ class _Pipes:
         if connect_to is not None:
             code = sock.connect_ex(connect_to)
             if code not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
-                self._fail(end, "connect", f"cannot connect ({errno.errorcode.get(code, code)})")
-                return end
+                self._say("connect", self._failure(end, f"cannot connect ({errno.errorcode.get(code, code)})"))
+                self._close(end)
+                return None
             end.connecting = True
         self._update(end)
         return end
@@ -159,11 +125,13 @@ class _Pipes:
     def _pair(self, a: _End, b: _End) -> None:
         a.peer, b.peer = b, a
 
-    def _start_handshake(self, end: _End, step, started: bool = True) -> None:
-        """``end`` has to pass ``step`` within ``auth.HANDSHAKE_S``; ``started``: it begins now
-        (else once its connection is up, see ``_connected``)."""
+    def _start_handshake(self, end: _End, step, started: bool = True, timed: bool = True) -> None:
+        """``end`` has to pass ``step``, within ``auth.HANDSHAKE_S`` when ``timed`` (else its
+        deadline is kept elsewhere); ``started``: it begins now (else once its connection is up,
+        see ``_connected``)."""
         end.step = step
-        self._pending.setdefault(end, time.monotonic() + auth.HANDSHAKE_S)
+        if timed:
+            self._deadlines.setdefault(end, time.monotonic() + auth.HANDSHAKE_S)
         if started:
             self._advance(end, None)
 
@@ -178,11 +146,11 @@ class _Pipes:
         except StopIteration:
             end.step = None
             end.ready = True
-            self._pending.pop(end, None)
+            self._deadlines.pop(end, None)
             self._through(end)
             self._flush_held(end)
         except auth.AuthError as exc:
-            self._fail(end, "auth", str(exc))
+            self._fail(end, "auth", str(exc))  # a mismatch or another protocol: trying again will not help
             return
         self._update(end)
 
@@ -220,7 +188,9 @@ class _Pipes:
         if not chunk:
             self._hang_up(end)
             return
-        end.heard = True
+        if not end.heard:
+            end.heard = True
+            self._heard(end)
         end.held += chunk
         while end.step is not None and len(end.held) >= end.want and end in self._ends:
             data = bytes(end.held[:end.want])
@@ -285,8 +255,11 @@ class _Pipes:
     def _hang_up(self, end: _End) -> None:
         """``end`` closed (or broke): deliver what it sent, then close its peer."""
         peer = end.peer
-        if end.step is not None and end.heard:
-            self._say("hung-up", self._failure(end, "it hung up during the handshake"))
+        if end.step is not None or end.connecting:
+            if self._lost(end, "closed", "it closed the connection during the handshake"):
+                return
+            if end.heard:
+                self._say("hung-up", self._failure(end, "it hung up during the handshake"))
         self._close(end)
         if peer is None or peer not in self._ends:
             return
@@ -299,7 +272,14 @@ class _Pipes:
         self._update(peer)
 
     def _fail(self, end: _End, kind: str, why: str) -> None:
+        if self._lost(end, kind, why):
+            return
         self._say(kind, self._failure(end, why))
+        if end.out:  # the gate's REFUSED: said before it closes, so that the node knows why
+            try:
+                end.sock.send(end.out)
+            except OSError:
+                pass
         peer = end.peer
         self._close(end)
         if peer is not None:
@@ -312,59 +292,88 @@ class _Pipes:
         if end not in self._ends:
             return
         self._ends.discard(end)
-        self._pending.pop(end, None)
+        self._deadlines.pop(end, None)
+        self._closed(end)
         if end.events:
             self._selector.unregister(end.sock)
         end.sock.close()
         end.step = None
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        if self._resume_at is not None and now >= self._resume_at and not self._stop:
-            self._resume_at = None
-            self._selector.register(self.sock, selectors.EVENT_READ, "accept")
+    def _tick(self, now: float) -> None:
         if now < self._next_expiry:
             return
         self._next_expiry = now + 0.25
-        for end in [e for e, deadline in self._pending.items() if now > deadline]:
+        for end in [e for e, deadline in self._deadlines.items() if now > deadline]:
             self._fail(end, "deadline", f"no answer to the handshake from {end.where} within {auth.HANDSHAKE_S:g}s")
-
-    def _say(self, kind: str, message: str) -> None:
-        """One line, the first time this kind of trouble happens."""
-        if kind not in self._said:
-            self._said.add(kind)
-            self._log(clean(message, 600))
 
 
 class Gate(_Pipes):
     """Node 0: takes connections on ``listener`` (bound to ``--master-addr:--master-port``) and pipes
     those that prove the secret to the store at 127.0.0.1:``store_port``.
 
-    ``log`` prints one launcher line (default: standard error); each kind of refusal is said once.
+    A connection waiting in the handshake holds one of ``max_pending`` slots (default
+    ``MAX_PENDING``), at most ``max_per_address`` (``MAX_PENDING_PER_ADDRESS``) per source
+    address; a new one takes the slot of the oldest (of its address, when that address holds its
+    most), and one that says nothing within ``first_byte_s`` (``FIRST_BYTE_S``) is closed: see
+    [Note: a flood of silent connections] in ``_admission``. ``log`` prints one launcher line
+    (default: standard error); each kind of refusal is said once.
+
+    Example::
+
+        gate = Gate(listen_on("10.0.0.1", 29500), store_port, secret)   # node 0
+        ...
+        gate.close()
     """
 
     def __init__(self, listener: socket.socket, store_port: int, secret: bytes,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, max_pending: int = MAX_PENDING,
+                 max_per_address: int = MAX_PENDING_PER_ADDRESS, first_byte_s: float = FIRST_BYTE_S) -> None:
         self.secret = secret
         self.target = ("127.0.0.1", store_port)
         host, port = listener.getsockname()[:2]
         self.what = f"the rendezvous at {host}:{port}"
+        self.slots = Pending(max_pending, max_per_address, first_byte_s, auth.HANDSHAKE_S)
+        self.evicted = 0  # connections closed to make room (a count for tests)
         super().__init__(listener, log)
 
-    def _accepted(self, end: _End) -> None:
-        if len(self._pending) >= MAX_PENDING:
-            self._say("pending", f"dptrain run: {self.what} holds {MAX_PENDING} connections in the handshake; "
-                                 f"further ones are closed until they are through")
-            self._close(end)
-            return
-        self._start_handshake(end, auth.server(self.secret))
+    def _new(self, end: _End, peer) -> None:
+        for old in self.slots.add(end, peer[0], time.monotonic()):
+            self.evicted += 1
+            if self.slots.count(peer[0]) >= self.slots.max_per_address:
+                self._say("evicted-address", f"dptrain run: {self.what} holds {self.slots.max_per_address} "
+                                             f"connections from {peer[0]} in the handshake, the most one address may; "
+                                             f"the oldest are closed as new ones come. Something may be flooding it")
+            else:
+                self._say("evicted", f"dptrain run: {self.what} holds {self.slots.max_total} connections in the "
+                                     f"handshake, the most it takes; the oldest are closed as new ones come. "
+                                     f"Something may be flooding it")
+            self._close(old)
+        self._start_handshake(end, auth.server(self.secret), timed=False)  # its deadlines are the slot's
+
+    def _heard(self, end: _End) -> None:
+        self.slots.heard(end)
+
+    def _closed(self, end: _End) -> None:
+        self.slots.discard(end)
 
     def _through(self, end: _End) -> None:
+        self.slots.discard(end)
         store = self._register(socket.socket(socket.AF_INET, socket.SOCK_STREAM), "the store", self.target)
-        if store in self._ends:
+        if store is not None:
             self._pair(end, store)
         elif end in self._ends:
             self._close(end)
+
+    def _tick(self, now: float) -> None:
+        if now >= self._next_expiry:
+            for end, what in self.slots.expired(now):
+                if what == "first byte":  # most likely a port probe or a flood: not a line each
+                    self._say("silent", self._failure(end, f"it said nothing within {self.slots.first_byte_s:g}s"))
+                    self._close(end)
+                else:
+                    self._fail(end, "deadline", f"no answer to the handshake from {end.where} within "
+                                                f"{auth.HANDSHAKE_S:g}s")
+        super()._tick(now)
 
     def _failure(self, end: _End, why: str) -> str:
         if end.where == "the store":
@@ -377,28 +386,85 @@ class Forwarder(_Pipes):
     """Every other node: takes the ranks' connections on 127.0.0.1 (``port``) and pipes each to
     node 0's gate at ``host:port`` over a connection that passed the handshake with ``secret``.
 
+    A connection to the gate that cannot be made, or is closed or silent during the handshake
+    (a flood may evict it there), is made again with backoff for up to ``retry_s`` seconds
+    (default ``RETRY_S``; the launcher passes its join timeout) while the rank's bytes wait; a
+    secret that does not match is not tried again. ``log`` prints one launcher line (default:
+    standard error).
+
     Raises ValueError when ``host`` does not resolve.
+
+    Example::
+
+        forwarder = Forwarder("10.0.0.1", 29500, secret)   # every node but node 0
+        env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(forwarder.port)
     """
 
-    def __init__(self, host: str, port: int, secret: bytes, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, host: str, port: int, secret: bytes, log: Callable[[str], None] | None = None,
+                 retry_s: float = RETRY_S) -> None:
         self.secret = secret
+        self.retry_s = retry_s
         try:
             self.target = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0][4]
         except socket.gaierror as exc:
             raise ValueError(f"--master-addr {host}: the name does not resolve ({exc.strerror})") from None
         self.what = f"node 0's rendezvous at {host}:{port}"
+        self._retries: list[tuple[float, _End]] = []  # (when, the rank's end) for another connection to the gate
+        self.retried = 0  # connections to the gate made again (a count for tests)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))
         super().__init__(listener, log)
 
-    def _accepted(self, end: _End) -> None:
+    def _new(self, end: _End, peer) -> None:
         end.ready = True  # a rank's connection: plain; what it sends waits until the gate lets us in
+        end.since = time.monotonic()
+        self._upstream(end)
+
+    def _upstream(self, end: _End) -> None:
+        """A connection to the gate for the rank's ``end``, its handshake once it is up."""
         upstream = self._register(socket.socket(socket.AF_INET, socket.SOCK_STREAM), self.what, self.target)
-        if upstream not in self._ends:
-            self._close(end)
+        if upstream is None:
+            if not self._again(end, "cannot connect"):
+                self._close(end)
             return
         self._pair(end, upstream)
         self._start_handshake(upstream, auth.client(self.secret), started=False)  # once connected
+
+    def _lost(self, end: _End, kind: str, why: str) -> bool:
+        rank = end.peer
+        if kind not in ("connect", "closed", "deadline") or rank is None or end.where != self.what:
+            return False
+        self._close(end)
+        rank.peer = None
+        if self._again(rank, why):
+            return True
+        self._say(kind, self._failure(end, f"the handshake was refused or closed by the rendezvous ({rank.tries + 1} "
+                                           f"tries over {time.monotonic() - rank.since:.1f}s; something may be "
+                                           f"flooding it, or it is not a dptrain gate): {why}"))
+        self._close(rank)
+        return True
+
+    def _again(self, rank: _End, why: str) -> bool:
+        """Schedule another connection to the gate for ``rank``; False when its time is up."""
+        if rank not in self._ends:
+            return True
+        now = time.monotonic()
+        delay = min(1.0, 0.05 * 2 ** rank.tries) * random.uniform(0.5, 1.0)
+        if now + delay - rank.since > self.retry_s:
+            return False
+        rank.tries += 1
+        self.retried += 1
+        self._retries.append((now + delay, rank))
+        return True
+
+    def _tick(self, now: float) -> None:
+        if self._retries:
+            due = [rank for when, rank in self._retries if when <= now]
+            self._retries = [(when, rank) for when, rank in self._retries if when > now]
+            for rank in due:
+                if rank in self._ends:
+                    self._upstream(rank)
+        super()._tick(now)
 
     def _connected(self, end: _End) -> None:
         if end.step is not None:  # the gate's connection is up: its handshake starts
