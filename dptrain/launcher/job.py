@@ -307,8 +307,10 @@ class _Job:
             self._wait_for_master(timeout)
             self.store_at = (self.host, config.master_port, secret)
             self.ranks_at = self.store_at[:2]
+            # Before any rank starts: a wrong secret, none where the job asks for one, or no store
+            # on that port ends here (the client is plain Python: there is no import to overlap).
+            self._open_store()
             if secret is not None:
-                self._open_store()  # a wrong secret ends here, before any rank starts
                 self.forwarder = Forwarder(self.host, config.master_port, secret, self.log, retry_s=config.wait_s)
                 self.ranks_at = ("127.0.0.1", self.forwarder.port)
 
@@ -331,8 +333,9 @@ class _Job:
     def _open_store(self) -> None:
         """Serve the store (node 0) and connect this launcher's client to it (every node).
 
-        Called once the first ranks are started, so that with torch's server (which imports
-        torch, see ``RendezvousServer``) the ranks spend that second importing torch themselves.
+        Node 0 calls it once the first ranks are started, so that with torch's server (which
+        imports torch, see ``RendezvousServer``) the ranks spend that second importing torch
+        themselves; the other nodes call it before their ranks start (a refusal starts none).
         """
         if self.store is not None:
             return
