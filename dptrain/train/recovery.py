@@ -82,8 +82,8 @@ def _unsupported(trainer: Any) -> str | None:
     """Why this Trainer cannot recover in place, or None when it can."""
     strategy = trainer.strategy
     if strategy.name != "ddp":
-        return (f"strategy {strategy.name!r} (in-place recovery works with dptrain's DDP, strategy='ddp'; FSDP, ZeRO "
-                f"and torch's DDP restart the whole job)")
+        return (f"strategy {strategy.name!r} (in-place recovery works with dptrain's DDP, strategy='ddp'; FSDP, ZeRO, "
+                f"DiLoCo and torch's DDP restart the whole job from its newest checkpoint)")
     if getattr(strategy, "steps_in_backward", None):
         return "an optimizer stepped inside backward (overlap_optimizer) cannot be rolled back"
     if not hasattr(trainer.model, "_rejoin"):
