@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dptrain import comm, env
+from dptrain.parallel.ddp import _recovery as ddp_recovery
 from dptrain.parallel.diloco import _codec, _fragments, _groups
 from dptrain.parallel.diloco._exchange import Exchange
 
@@ -125,7 +126,10 @@ class DiLoCo:
         self._topology = _groups.topology_for(model, group)
         self._buffers = [b for b in model.buffers()]
         with torch.no_grad():
-            if not self._topology.alone:  # every replica starts from the first one's weights
+            # Every replica starts from the first one's weights -- except in a process that replaces a dead
+            # rank (``dptrain run --recovery in-place``): the others are not building anything, and its
+            # replica comes from the dead rank's round snapshot (see dptrain.train.rollback).
+            if not self._topology.alone and not ddp_recovery.is_joining():
                 comm.broadcast_coalesced([p.data for p in self._params] + self._buffers, src=0,
                                          group=self._topology.outer, name="DiLoCo: the first replica's weights")
             self._outer = [p.detach().to(torch.float32, copy=True) for p in self._params]
@@ -268,6 +272,11 @@ class DiLoCo:
                     offset += b.numel()
             if others:
                 comm.broadcast_coalesced(others, src=0, group=top.outer, name="DiLoCo: the first replica's buffers")
+
+    def _drop_in_flight(self) -> None:
+        """Forget the exchanges in flight without waiting for them: their process group is broken (a
+        replica died) and the state is about to be rolled back (see dptrain.train.rollback)."""
+        self._pending = []
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
