@@ -55,9 +55,11 @@ def note(name: str, **what) -> None:
 def die(trainer, where: str, **more) -> None:
     note(f"killed-rank{trainer.rank}-gen{GEN}.json", rank=trainer.rank, gen=GEN, where=where, pid=os.getpid(),
          step=trainer.global_step, stack=[f.name for f in traceback.extract_stack()], **more)
-    if where == "forget":
-        for name in (f"rank{trainer.rank}.0", f"rank{trainer.rank}.1"):
-            os.remove(os.path.join(os.environ["DPTRAIN_RECOVERY_DIR"], name))
+    if where == "forget":  # the step snapshots (DDP) or the round snapshots (DiLoCo) this rank wrote
+        folder = os.environ["DPTRAIN_RECOVERY_DIR"]
+        for name in os.listdir(folder):
+            if name.startswith((f"rank{trainer.rank}.", f"round{trainer.rank}-")):
+                os.remove(os.path.join(folder, name))
     os.kill(os.getpid(), signal.SIGSTOP if where == "stall" else signal.SIGKILL)
 
 
@@ -219,8 +221,8 @@ def main() -> None:
     extra = {}
     if os.environ.get("STRATEGY") == "diloco":  # each rank's replica above; the replicas' common weights here
         extra["common"] = trainer.model_state_dict()
-        extra["rounds"] = {"written": trainer._recovery.rounds.written, "write_s": trainer._recovery.rounds.write_s,
-                           "bytes": trainer._recovery.rounds.bytes} if trainer._recovery.rounds else None
+        rounds = getattr(trainer._recovery, "rounds", None)  # DiLoCo's round snapshots (in place only)
+        extra["rounds"] = {"written": rounds.written, "write_s": rounds.write_s, "bytes": rounds.bytes} if rounds else None
     torch.save({"state": state, "pid": os.getpid(), "gen": GEN, "step": summary["global_step"], **extra,
                 "history": [{k: v for k, v in h.items() if k not in ("time_s", "samples_per_s")}
                             for h in summary["history"]]},
