@@ -34,6 +34,10 @@ interrupted step is done again with the same data. A checkpoint that was due at 
 and not finished is written again. When a member has no snapshot of the target the run
 cannot go on exactly: the ranks exit with :data:`FALLBACK_EXIT` after writing why, and the
 launcher restarts the whole job from its newest checkpoint instead.
+
+*DiLoCo* keeps no shared state between its outer syncs beyond the outer one, so it takes none
+from a source: every rank rolls back to a round snapshot of its own (see [Note: DiLoCo,
+recovered in place] in :mod:`dptrain.train.rollback`); the commits are numbered as here.
 """
 
 from __future__ import annotations
