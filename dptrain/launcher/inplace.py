@@ -107,10 +107,37 @@ def rank_settings(environ: dict[str, str], directory: str | None, admit: bool = 
 
 
 def _make_directory() -> str:
-    """The job's recovery folder: private (0700, as ``mkdtemp`` makes it), in memory where /dev/shm is."""
+    """The job's recovery folder: private (0700, as ``mkdtemp`` makes it), in memory where /dev/shm is.
+
+    Its name carries the launcher's pid (``dptrain_recovery_<pid>_<random>``): a folder that a
+    SIGKILLed launcher left behind can be told from a running job's, whose folder must never be
+    touched (see ``orphaned_directories``)."""
     shm = "/dev/shm"
     where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-    return tempfile.mkdtemp(prefix="dptrain_recovery_", dir=where)
+    return tempfile.mkdtemp(prefix=f"dptrain_recovery_{os.getpid()}_", dir=where)
+
+
+def orphaned_directories(where: str = "/dev/shm") -> list[str]:
+    """The recovery folders in ``where`` whose launcher (the pid in the name) no longer runs.
+
+    A launcher removes its folder when it ends; only one killed with its janitor leaves it. A
+    folder without a pid in its name, or whose launcher runs, is never listed."""
+    out = []
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return out
+    for name in names:
+        parts = name.split("_")
+        if len(parts) < 4 or not name.startswith("dptrain_recovery_") or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            out.append(os.path.join(where, name))
+        except (PermissionError, OverflowError):
+            pass  # another user's launcher runs with that pid, or not a pid at all: not ours to judge
+    return sorted(out)
 
 
 def _how(spare: Any, forked: bool) -> tuple[str, str]:

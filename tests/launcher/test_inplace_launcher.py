@@ -600,3 +600,23 @@ def test_a_rank_in_a_long_collective_whose_heartbeat_goes_on_is_no_stall(stalls)
     # Both wait in the same slow collective and both heartbeats are alive: neither is a stall.
     waiting = lambda now: (5, "all_reduce", now)  # noqa: E731
     assert stalls.run(30, waiting, rank1=waiting) == []
+
+
+def test_only_a_dead_launchers_recovery_folder_counts_as_orphaned(tmp_path):
+    # A test (or a clean-up) that removes a killed job's recovery folder must never take a running
+    # job's: a job beside it on the machine lost its folder mid-run ("DPTRAIN_RECOVERY_DIR=... is
+    # not a directory that exists" on every restart) when such clean-ups took every new folder.
+    from dptrain.launcher.inplace import _make_directory, orphaned_directories
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name in (f"dptrain_recovery_{dead.pid}_abc", f"dptrain_recovery_{os.getpid()}_def",
+                 "dptrain_recovery_ghi", "dptrain_recovery_x_y_z", "other_1_2"):
+        (tmp_path / name).mkdir()
+    assert orphaned_directories(str(tmp_path)) == [str(tmp_path / f"dptrain_recovery_{dead.pid}_abc")]
+    made = _make_directory()
+    try:
+        assert os.path.basename(made).startswith(f"dptrain_recovery_{os.getpid()}_")
+        assert made not in orphaned_directories(os.path.dirname(made))
+    finally:
+        os.rmdir(made)

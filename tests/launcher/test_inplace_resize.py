@@ -27,6 +27,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 
+from dptrain.launcher.inplace import orphaned_directories
 from dptrain.launcher.rendezvous import free_port
 from tests.launcher.test_elastic import _kill_namespace
 from tests.launcher.test_multinode import ADDR, ROOT, two_nodes  # noqa: F401 - the fixture
@@ -84,7 +85,6 @@ def test_a_node_lost_for_good_then_back_the_job_goes_on_in_place_each_sample_onc
     rank (as rank 2, after node 2's). The two survivors never restart."""
     seen = tmp_path / "seen"
     seen.mkdir()
-    shm_before = set(glob.glob("/dev/shm/dptrain_recovery_*"))
     port = 29633
     epochs = ("--epochs", "4")
     # A collective timeout far past the deadlines below: only leaving the broken group at the
@@ -109,8 +109,9 @@ def test_a_node_lost_for_good_then_back_the_job_goes_on_in_place_each_sample_onc
             if p.poll() is None:
                 p.kill()
         # The killed node's launcher and janitor died with it, so nothing removed its recovery folder
-        # (on a real machine it goes with the machine's /dev/shm).
-        for leftover in set(glob.glob("/dev/shm/dptrain_recovery_*")) - shm_before:
+        # (on a real machine it goes with the machine's /dev/shm). Only a dead launcher's folder goes:
+        # another job's on this machine (a test running beside this one) is in use.
+        for leftover in orphaned_directories():
             shutil.rmtree(leftover, ignore_errors=True)
     if os.environ.get("SHOW_RESIZE"):
         print(*(o for pair in outs for o in pair))

@@ -1,7 +1,6 @@
 """`dptrain run` never leaves a rank behind: whatever ends the launcher, its ranks and their
 DataLoader workers are gone within 5 s and its temporary directories are removed."""
 
-import glob
 import os
 import shutil
 import signal
@@ -10,6 +9,8 @@ import sys
 import time
 
 import pytest
+
+from dptrain.launcher.inplace import orphaned_directories
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads processes from /proc")
 
@@ -119,7 +120,6 @@ def _cmdline(pid: int) -> bytes:
 def test_ranks_die_with_the_launcher_even_without_the_janitor(tmp_path, mode):
     # With the janitor gone nobody removes an in-place job's recovery folder (in /dev/shm): this
     # test does, so that it leaves nothing behind.
-    folders = set(glob.glob("/dev/shm/dptrain_recovery_*"))
     proc, pids = start_job(tmp_path, mode)
     ranks = pids[0::2]  # a rank's DataLoader worker stops by itself once its rank is gone
     try:
@@ -134,6 +134,6 @@ def test_ranks_die_with_the_launcher_even_without_the_janitor(tmp_path, mode):
         proc.communicate(timeout=30)
     finally:
         _cleanup(pids)
-        for folder in set(glob.glob("/dev/shm/dptrain_recovery_*")) - folders:
+        for folder in orphaned_directories():  # the killed launcher's; never a running job's
             shutil.rmtree(folder, ignore_errors=True)
     assert not left, f"ranks {left} outlived their launcher"
