@@ -7,16 +7,31 @@ The jobs are ``tests/scripts/train_inplace.py`` with ``STRATEGY=diloco`` under `
 no survivor restarted, one recovery line per kill, no checkpoint read, every rank's final
 replica (weights and buffers) and history equal to the uninterrupted run's; here also the
 replicas' common (outer) weights.
+
+And a node lost for good (``--nnodes MIN:MAX``, network-namespace nodes): the survivors roll back
+to their own round snapshots under their new rank numbers and go on with fewer replicas, each
+sample of each epoch trained on once.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import re
+import shutil
+import signal
+import time
 import types
+from collections import Counter
 
 import torch
 
 from dptrain.train import resize, rollback
+from tests.launcher.test_elastic import _kill_namespace
+from tests.launcher.test_inplace_resize import SAMPLES, _generations, _launch, _records, _signal_namespace, _steps, \
+    _trained
+from tests.launcher.test_multinode import two_nodes  # noqa: F401 - the fixture
 from tests.test_inplace_recovery import _check, _finals, _run, _same
 
 PLAIN = {"sync_every": 4}
@@ -79,6 +94,61 @@ def test_a_diloco_replacement_without_its_round_snapshots_falls_back_to_restarti
         assert _same(finals[rank]["state"], ref_final["state"])
 
 
+def test_diloco_goes_on_in_place_without_a_lost_node_each_sample_once(two_nodes, tmp_path):
+    """Three nodes of one rank (nodes 0 and 2 in one namespace, node 1 in the other), DiLoCo with an outer
+    sync every 4 steps. Node 1 goes silent mid-epoch (SIGSTOP) and is then killed: the survivors re-form as
+    ranks 0 and 1 (node 2's rank 2 -> 1), each rolls back to its own round snapshot (rank 1 reads the files
+    it wrote as rank 2), and they finish with one common outer model, every sample of every epoch trained
+    on once (counting, for each step, only the newest generation that trained it)."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    shm_before = set(glob.glob("/dev/shm/dptrain_recovery_*"))
+    extra = ("--epochs", "2", "--diloco", "4")
+    nodes = [_launch(two_nodes[n % 2], n, 29641, str(seen), extra, timeout=300) for n in (0, 1, 2)]
+    try:
+        deadline = time.monotonic() + 60
+        while _steps(str(seen)) < 6:
+            assert time.monotonic() < deadline and nodes[0].poll() is None, "the job did not reach step 6"
+            time.sleep(0.1)
+        _signal_namespace(two_nodes[1], signal.SIGSTOP)
+        silent = time.monotonic()
+        while 1 not in _generations(str(seen)):
+            assert time.monotonic() < silent + 60 and nodes[0].poll() is None, "the job did not go on without node 1"
+            time.sleep(0.1)
+        _kill_namespace(two_nodes[1])  # the silent node ends for good
+        outs = [p.communicate(timeout=90) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+        for leftover in set(glob.glob("/dev/shm/dptrain_recovery_*")) - shm_before:  # the killed node's
+            shutil.rmtree(leftover, ignore_errors=True)
+    if os.environ.get("SHOW_RESIZE"):
+        print(*(o for pair in outs for o in pair))
+    (out0, err0), _, (out2, err2) = outs
+    for p, (out, err) in zip(nodes[::2], outs[::2]):
+        assert p.returncode == 0, err[-3000:]
+    assert ("in-place recovery: the job goes on without it, with 2 rank(s) on node(s) 0, 2 (generation 1, restart 1 "
+            "of 2); rank(s) 2->1 renumbered" in err0), err0[-3000:]
+    said = re.search(r"recovered in place \(generation 1\): .*DiLoCo: the 2 rank\(s\) left rolled back to their "
+                     r"round snapshots at step (\d+) .*the job goes on with 2 ranks instead of 3: the outer mean is "
+                     r"over the 2 replicas left", err0)
+    assert said and int(said.group(1)) % 4 == 0, err0[-3000:]  # a round point
+    assert "restarting all ranks" not in err0 + err2 and "in-place recovery is not possible" not in err0 + err2
+    started = dict(re.findall(r"started pid (\d+) as rank (\d+) of 3", out0 + out2))
+    finished = dict(re.findall(r"finished pid (\d+) as rank (\d+) of 2 at step", out0 + out2))
+    assert sorted(f"{started[pid]}->{finished[pid]}" for pid in finished) == ["0->0", "2->1"], (started, finished)
+    assert len(set(re.findall(r"of 2 at step \d+ weights (\w+)", out0 + out2))) == 1  # one outer model
+
+    trained = _trained(list(_records(str(seen))))
+    for epoch in range(2):
+        count = Counter(i for _, e, _, _, idx in trained if e == epoch for i in idx)
+        assert sorted(count) == list(range(SAMPLES)) and set(count.values()) == {1}, (epoch, count.most_common(3))
+    assert {r[3] for r in trained if r[0] == 1} == {0, 1}
+    # The steps after the round point rolled back to were trained again by the survivors alone.
+    assert all(g == 1 for g, _, step, _, _ in trained if step >= int(said.group(1))), "a lost step counted"
+
+
 def test_diloco_says_what_it_cannot_recover_in_place():
     from dptrain.train.strategy import _DiLoCoStrategy
 
@@ -87,9 +157,10 @@ def test_diloco_says_what_it_cannot_recover_in_place():
     assert "replica='node'" in rollback.obstacle(types.SimpleNamespace(strategy=node))
     assert "diloco_kwargs={'replica': 'rank'}" in rollback.obstacle(types.SimpleNamespace(strategy=node))
     assert rollback.obstacle(types.SimpleNamespace(strategy=plain)) is None
-    # A lost node (--nnodes MIN:MAX) cannot shrink a DiLoCo job in place: the reason names the fallback.
-    why = resize.obstacle(types.SimpleNamespace(strategy=plain, train_loader=None))
-    assert why is not None and "same world size only" in why and "checkpoint" in why
+    # A lost node (--nnodes MIN:MAX): DiLoCo goes on in place, when its loaders can share an epoch out anew.
+    assert resize.obstacle(types.SimpleNamespace(strategy=plain, train_loader=None)) is None
+    why = resize.obstacle(types.SimpleNamespace(strategy=plain, train_loader=types.SimpleNamespace(sampler=[0, 1])))
+    assert why is not None and "DistributedSampler" in why
 
 
 def test_round_points_and_the_target_all_members_hold():
@@ -104,3 +175,48 @@ def test_round_points_and_the_target_all_members_hold():
     pick = rollback.RoundSnapshots.pick
     assert pick(None, [{"has": [4, 8]}, {"has": [8, 13]}, {"has": [4, 8]}]) == 8
     assert pick(None, [{"has": [4, 8]}, {"has": []}]) is None
+
+
+def test_a_renumbered_rank_s_round_snapshot_takes_its_new_number(tmp_path):
+    """After a resize rank 2 became rank 1: its snapshot of the target is found under 1, the others go."""
+    for seq, text in ((0, "old"), (4, "target")):
+        (tmp_path / f"round2-{seq:09d}.pt").write_text(text)
+    snaps = rollback.RoundSnapshots.__new__(rollback.RoundSnapshots)
+    snaps.directory, snaps.trainer = str(tmp_path), types.SimpleNamespace(rank=1)
+    snaps._rename(2, 4)
+    assert rollback.held(str(tmp_path), 2) == {}
+    assert list(rollback.held(str(tmp_path), 1)) == [4]
+    assert (tmp_path / "round1-000000004.pt").read_text() == "target"
+    snaps._rename(1, 4)  # a rank that kept its number keeps its files
+    assert list(rollback.held(str(tmp_path), 1)) == [4]
+
+
+class _Store:
+    """The launcher's store as ``InPlaceRecovery._blocker`` reads it."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+    def get(self, key):
+        return self.values[key]
+
+
+def test_the_launcher_lets_no_node_into_a_diloco_job_in_place_but_goes_on_without_one():
+    from dptrain._heartbeat import recovery_key
+    from dptrain.launcher.inplace import InPlaceRecovery
+
+    def blocker(value, growing):
+        keys = {recovery_key(0, f"{what}/{r}"): (value if what == "resizable" else b"1")
+                for r in range(2) for what in ("capable", "resizable")}
+        launcher = InPlaceRecovery.__new__(InPlaceRecovery)
+        launcher.job = types.SimpleNamespace(store=_Store(keys), warnings=None, layout=types.SimpleNamespace(
+            world_size=2))
+        return launcher._blocker(0, resizing=True, growing=growing)
+
+    assert blocker(b"shrink", growing=False) is None  # a lost node: DiLoCo goes on without it
+    kind, why = blocker(b"shrink", growing=True)  # a node let in: not in place
+    assert kind == "resizable" and "DiLoCo" in why and "rank(s) 0, 1" in why, why
+    assert blocker(b"1", growing=True) is None  # DDP takes it in

@@ -61,6 +61,9 @@ __all__ = ["InPlaceRecovery", "in_place_requested", "is_replacement", "FALLBACK_
 
 #: Exit code of a rank that cannot recover in place (the launcher then restarts the whole job).
 FALLBACK_EXIT = 75
+#: The value of ``recovery/resizable/<rank>`` of a rank that can go on without a node but cannot take a
+#: new one in place (DiLoCo: a newcomer has no replica); the launcher then lets a node in at a restart.
+SHRINK_ONLY = "shrink"
 #: With nodes let into a running job (``DPTRAIN_RECOVERY_ADMIT``): the ranks ask whether one is
 #: ready after every this many optimizer steps (one small all-reduce; see [Note: a node coming back]
 #: in dptrain.launcher.resize).
@@ -210,7 +213,9 @@ class InPlaceRecovery:
         # See [Note: going on without a node] in dptrain.train.resize.
         self.resizable = self.active and resize.obstacle(trainer) is None
         # Nodes may be let in while the job runs: every rank takes part in the check (see the Note).
-        self.admitting = self.resizable and _settings.get("DPTRAIN_RECOVERY_ADMIT")
+        # (Not DiLoCo's: a node let in would bring replicas with nothing to start from; see SHRINK_ONLY.)
+        self.admitting = (self.resizable and _settings.get("DPTRAIN_RECOVERY_ADMIT")
+                          and trainer.strategy.name != "diloco")
         self._watching: list = []  # the model's hooks that stop a step at once (see dptrain._interrupt)
         # DiLoCo: replicas differ between syncs, so a failure rolls back to a round snapshot instead of
         # taking a live rank's state (see [Note: DiLoCo, recovered in place] in dptrain.train.rollback).
@@ -347,11 +352,10 @@ class InPlaceRecovery:
             if not self._watching and _interrupt.install():  # see [Note: stopping a step at once]
                 self._watching = _interrupt.watch_modules(trainer.model)
             if self.resizable:
-                env._STATE.store.set(f"recovery/resizable/{trainer.rank}", "1")
-            elif self.rounds is not None and trainer.rank == 0 and self.seq < 0 and trainer.world.node_rank == 0 \
-                    and trainer.world.world_size > trainer.world.local_world_size:
-                # Several nodes: the launcher's own words for a lost node are about samplers; say DiLoCo's.
-                print(f"dptrain: {resize.obstacle(trainer)}", file=sys.stderr, flush=True)
+                # DiLoCo goes on with fewer replicas but cannot take a new one in place (it would have no
+                # replica of its own to start from): "shrink" tells the launcher to let a node in at the
+                # next restart only (see dptrain.launcher.inplace).
+                env._STATE.store.set(f"recovery/resizable/{trainer.rank}", SHRINK_ONLY if self.rounds else "1")
             if self.seq < 0:
                 self.commit(trainer.state.batch_in_epoch, prepared=False, boundary=False)
         elif trainer.rank == 0 and not trainer.world.restart_count:  # once for the job, not per restart

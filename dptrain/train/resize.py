@@ -46,13 +46,9 @@ def obstacle(trainer: Any) -> str | None:
 
     if not hasattr(trainer, "train_loader"):
         return "a plain loop (dptrain.RecoverableLoop) goes on in place at the same world size only"
-    if getattr(trainer, "strategy", None) == "diloco":
-        # Its in-place recovery rolls every rank back to its own round snapshot (dptrain.train.rollback),
-        # which holds a replica per rank on that rank's node: a lost node takes its replicas with it, and
-        # DiLoCo's outer exchange is built for the replicas it started with.
-        return ("DiLoCo (strategy='diloco') recovers in place at the same world size only (a dead rank is replaced); "
-                "a lost node restarts the whole job from its newest checkpoint instead, so set checkpoint_dir and "
-                "save_every_steps to lose little work")
+    # DiLoCo (replica='rank') goes on without a node too: the survivors roll back to their round
+    # snapshots and the outer mean is over the replicas left (see [Note: DiLoCo without a node] in
+    # dptrain.train.rollback). replica='node' never gets here (it does not recover in place at all).
     for name, loader in _loaders(trainer):
         sampler = _sampler_of(loader)
         if isinstance(sampler, DistributedSampler):

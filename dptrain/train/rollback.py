@@ -32,6 +32,24 @@ resume: the steps since are done again with the same data, the same RNG streams 
 outer state, so the run ends bit for bit where an uninterrupted one ends. Nothing is sent
 between ranks but the one exchange that picks the target. A member without a snapshot of any
 common round point makes the job fall back to a restart from its newest checkpoint.
+
+[Note: DiLoCo without a node]
+A node lost for good under ``--nnodes MIN:MAX`` takes its replicas with it and nobody replaces
+them (see [Note: going on without a node] in :mod:`dptrain.train.resize`): the survivors
+re-form the group at the smaller size, some under new rank numbers. Each survivor reports the
+round snapshots it holds under the number it wrote them with, the target is picked as above,
+and each then moves to the new world (its rank, its samplers, the parts of a checkpoint),
+rebuilds DiLoCo's exchange for it -- from now on the outer mean is over the replicas present --
+and loads its *own* snapshot of the target, read under its old number. The train sampler
+loads the target's position, saved on the old world size, and so shares the rest of the
+epoch out among the survivors (each sample not yet trained on is trained on once); the LR
+schedule is re-planned, as on a resume at another world size. The outer weights and outer
+momentum were the same on every replica, so the survivors go on with one common outer state;
+what the lost replicas trained since the target is lost with them, as their part of the
+epoch's running loss is. Deterministic, but not bitwise equal to an uninterrupted run (it had
+more replicas). A renumbered rank's snapshot of the target then takes its new number's name
+(after a barrier: another process of its node may have had that number), so a replacement of
+it before the next round point finds it.
 """
 
 from __future__ import annotations
@@ -146,10 +164,14 @@ class RoundSnapshots:
     def recover(self, generation: int, failed_at: float | None) -> None:
         """Every member of ``generation``'s (formed) group: agree on the target, roll back to it, go on."""
         from dptrain import comm, env
+        from dptrain.train import resize
 
         rec, t = self.recovery, self.trainer
+        # The files this process reads are those of the rank number it had when it wrote them: after a
+        # node was lost (see [Note: DiLoCo without a node]) its number in the new group may differ.
+        own = t.rank
         status = rec._status(failed_at, {}, False)
-        status.update(has=sorted(held(self.directory, t.rank)), pending_save=rec.pending_save)
+        status.update(has=sorted(held(self.directory, own)), pending_save=rec.pending_save)
         statuses = comm.all_gather_object(status)
         target = self.pick(statuses)
         if target is None:
@@ -160,22 +182,50 @@ class RoundSnapshots:
         pending_save = any(s["seq"] == target and s["pending_save"] for s in statuses if not s["replacement"])
         started = time.perf_counter()
         rec._drop_step()
-        progress = self.roll_back(target, pending_save)
+        world = env.get_world()
+        # A node lost: the same on every member (a resize always changes the world size).
+        resized_from = t.world.world_size if world.world_size != t.world.world_size else None
+        if (world.rank, world.world_size) != (t.rank, t.world.world_size):
+            resize.move_to(t, world)
+            self.diloco._follow_world()  # the outer mean is over the replicas present
+        progress = self.roll_back(target, pending_save, own)
         load_s = time.perf_counter() - started
         steps = comm.all_gather_object(progress["global_step"])
         if len(set(steps)) != 1:  # the files of one commit hold one progress on every rank; a stray file does not
             rec._fall_back(f"the ranks' DiLoCo round snapshots of commit {target} are at different steps {steps}")
+        if resized_from is not None:
+            self._rename(own, target)
         rec.recoveries += 1
         if t.rank == 0:
-            self._say(generation, statuses, progress, target, load_s)
+            self._say(generation, statuses, progress, target, load_s, resized_from)
         env._STATE.store.set(f"recovery/done/{generation}", "1")
+
+    def _rename(self, old: int, target: int) -> None:
+        """After a resize (every member): a renumbered rank's round snapshot of ``target`` takes its new
+        number's name, so that a replacement of it (which reads its number's files) finds it. Another
+        process of this node may have had that number before and still hold files under it: every
+        renumbered rank first moves its own out of the way, and only after a barrier takes its new name."""
+        from dptrain import comm
+
+        moving = old != self.trainer.rank
+        aside = os.path.join(self.directory, f"round-moving-{os.getpid()}.pt")
+        if moving:
+            mine = held(self.directory, old)
+            os.replace(mine.pop(target), aside)
+            for path in mine.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+        comm.barrier()
+        if moving:
+            os.replace(aside, os.path.join(self.directory, _name(self.trainer.rank, target)))
 
     def pick(self, statuses: list[dict]) -> int | None:
         """The newest round point every member holds (``statuses[i]["has"]``), or None."""
         common = set.intersection(*(set(s["has"]) for s in statuses)) if statuses else set()
         return max(common) if common else None
 
-    def _say(self, generation: int, statuses: list[dict], progress: dict, target: int, load_s: float) -> None:
+    def _say(self, generation: int, statuses: list[dict], progress: dict, target: int, load_s: float,
+             resized_from: int | None = None) -> None:
         """The one line a recovery leaves in the log (rank 0)."""
         import sys
 
@@ -187,6 +237,19 @@ class RoundSnapshots:
         since = [s["failed_at"] for s in statuses if s["failed_at"] is not None]
         waited = f"{time.time() - min(since):.2f} s" if since else "?"
         reached = max(s["seq"] for s in statuses)
+        if resized_from is not None:
+            size = self.trainer.world.world_size
+            print(
+                f"dptrain: recovered in place (generation {generation}): {said.get('why', 'a node was lost')}; "
+                f"DiLoCo: the {size} rank(s) left rolled back to their round snapshots at step "
+                f"{progress['global_step']} (epoch {progress['epoch'] + 1}, batch {progress['batch_in_epoch']}; commit "
+                f"{target}, {reached - target} commit(s) back, loaded in {load_s:.3f} s); the survivors waited "
+                f"{waited}; the job goes on with {size} ranks instead of {resized_from}: the outer mean is over "
+                f"the {size} replicas left and the rest of the epoch is shared out anew among them as on a resume "
+                f"at another world size; no process was restarted and no checkpoint was read",
+                file=sys.stderr, flush=True,
+            )
+            return
         print(
             f"dptrain: recovered in place (generation {generation}): {who} {said.get('why', 'failed')}; DiLoCo: every "
             f"rank rolled back to its round snapshot at step {progress['global_step']} (epoch {progress['epoch'] + 1}, "
@@ -196,36 +259,43 @@ class RoundSnapshots:
             file=sys.stderr, flush=True,
         )
 
-    def roll_back(self, target: int, pending_save: bool) -> dict:
-        """Load this rank's round snapshot of commit ``target`` (its own files; a replacement's are the dead
-        rank's) and make it the Trainer's state; the snapshot's progress is returned."""
+    def roll_back(self, target: int, pending_save: bool, own: int | None = None) -> dict:
+        """Load this rank's round snapshot of commit ``target`` (its own files, written under rank number
+        ``own``, default its current one; a replacement's are the dead rank's) and make it the Trainer's
+        state; the snapshot's progress is returned."""
         t = self.trainer
-        path = held(self.directory, t.rank)[target]
+        own = t.rank if own is None else own
+        path = held(self.directory, own)[target]
         state = torch.load(path, map_location="cpu", weights_only=False)
         self.diloco._drop_in_flight()
         t.strategy.load_optimizer_state_dict(t.optimizer, state["optimizer"])
         t._parts.parts["diloco"].load_state_dict(state["diloco"])
-        if t.scheduler is not None and "scheduler" in state:
-            t.scheduler.load_state_dict(state["scheduler"])
         if t.scaler is not None and "scaler" in state:
             t.scaler.load_state_dict(state["scaler"])
         t._parts.parts["callbacks"].load_state_dict(state["callbacks"])
         t.best_state = state["best_state"]
         t.state.load_state_dict(state["train_state"])
         t.state.set_loader_position(state["loader"])
+        if t.scheduler is not None and "scheduler" in state:
+            if state["world_size"] != t.world.world_size:
+                # As a checkpoint resumed on another world size: re-planned from the progress just loaded.
+                t._parts.scheduler.saved_world_size = state["world_size"]
+                t._parts.scheduler.load_state_dict(state["scheduler"])
+            else:
+                t.scheduler.load_state_dict(state["scheduler"])
         t.checkpointer._ours = set(state["checkpoints"])
-        own = state["own"]
+        part = state["own"]
         per_rank: list = [None] * t.world.world_size
-        per_rank[t.rank] = own
+        per_rank[t.rank] = part
         t._parts.parts["per_rank"].load_state_dict(per_rank)  # RNG streams, running sums, buffers
         # Round snapshots past the target were written by this rank before the failure; the steps
         # are done again and write them again (the same bits), so none must shadow the newer ones.
-        for seq, newer in held(self.directory, t.rank).items():
+        for seq, newer in held(self.directory, own).items():
             if seq > target:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(newer)
         rec = self.recovery
-        rec.seq, rec.snapshot, rec.prepared = target, own, None
+        rec.seq, rec.snapshot, rec.prepared = target, part, None
         rec.loader_state, rec.layout = state["loader"], None
         rec.pending_save = pending_save
         if t.state.global_step > 0:

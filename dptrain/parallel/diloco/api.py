@@ -123,6 +123,7 @@ class DiLoCo:
         _check_optimizer(inner_optimizer, self._params)
         self._fragments = _fragments.split(self._params, self.num_fragments)
         self._offsets = _fragments.offsets(self.sync_every, self.num_fragments)
+        self._group = group  # the user's exchange group, or None: the world (followed by _follow_world)
         self._topology = _groups.topology_for(model, group)
         self._buffers = [b for b in model.buffers()]
         with torch.no_grad():
@@ -277,6 +278,21 @@ class DiLoCo:
         """Forget the exchanges in flight without waiting for them: their process group is broken (a
         replica died) and the state is about to be rolled back (see dptrain.train.rollback)."""
         self._pending = []
+
+    def _follow_world(self) -> None:
+        """In-place recovery went on without a node (see [Note: DiLoCo without a node] in
+        dptrain.train.rollback): exchange over the re-formed world from now on, among the replicas
+        present. Collective (every member calls it, as after a re-form); the exchanges in flight
+        are dropped (their group is gone).
+
+        Raises:
+            RuntimeError: DiLoCo was built with a ``group`` of the user's, which cannot follow.
+        """
+        if self._group is not None:
+            raise RuntimeError("DiLoCo built with a process group of its own cannot follow a re-formed world; build "
+                               "it with group=None to go on without a lost node in place")
+        self._pending = []
+        self._topology = _groups.topology_for(self.model, None)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
