@@ -51,6 +51,7 @@ _EXPORTS = {
     "FSDP": "dptrain.parallel.fsdp",
     "DataParallel": "dptrain.parallel.dp",
     "ZeroRedundancyOptimizer": "dptrain.parallel.zero",
+    "DiLoCo": "dptrain.parallel.diloco",
     "seed_everything": "dptrain.seeding",
     "Trainer": "dptrain.train",
     "TrainerConfig": "dptrain.train",
@@ -93,6 +94,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from dptrain.parallel.ddp import DDP, DistributedDataParallel
     from dptrain.parallel.dp import DataParallel
     from dptrain.parallel.fsdp import FSDP, FullyShardedDataParallel
+    from dptrain.parallel.diloco import DiLoCo
     from dptrain.parallel.zero import ZeroRedundancyOptimizer
     from dptrain.seeding import seed_everything
     from dptrain.train import RecoverableLoop, Trainer, TrainerConfig

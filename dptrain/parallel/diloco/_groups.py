@@ -1,0 +1,110 @@
+"""Who exchanges pseudo-gradients with whom: the world, a group the user names, or the rails
+between the nodes of a hierarchical job.
+
+[Note: hierarchical DiLoCo]
+A model wrapped in :class:`dptrain.DistributedDataParallel` over the ranks of one node (its
+``process_group``, e.g. from :func:`node_group`) trains synchronously inside the node --
+DDP's gradient all-reduce, in shared memory on CPU -- so the node's ranks hold one replica.
+The outer exchange then runs between replicas: for each place ``i`` in the DDP groups, a
+"rail" group of the ``i``-th rank of every group. Every rank learns every rank's DDP group
+(one all-gather of objects) and makes every rail with ``new_group`` in the same order,
+because ``new_group`` is collective over the world.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from dptrain import comm, env
+from dptrain.parallel.ddp import DistributedDataParallel
+from dptrain.parallel.diloco._exchange import Topology
+
+__all__ = ["node_group", "topology_for"]
+
+# (id of the default group, the ranks of each group) -> the groups made for them, so that two
+# DiLoCo instances (or node_group() twice) do not make new groups every time.
+_MADE: dict[tuple, list] = {}
+
+
+def _made(key_groups: list[list[int]]) -> list:
+    key = (id(dist.distributed_c10d._get_default_group()), tuple(map(tuple, key_groups)))
+    if key not in _MADE or not all(_alive(pg) for pg in _MADE[key]):
+        _MADE[key] = [dist.new_group(ranks) for ranks in key_groups]
+    return _MADE[key]
+
+
+def _alive(pg: Any) -> bool:
+    try:
+        dist.get_world_size(pg)
+        return True
+    except (RuntimeError, ValueError):  # destroyed with the default group (shutdown, then init again)
+        return False
+
+
+def node_group() -> Any:
+    """The process group of this node's ranks, made on every rank (collective over the world).
+
+    Pass it as ``process_group`` to :class:`dptrain.DistributedDataParallel` to train
+    synchronously inside each node and let :class:`dptrain.DiLoCo` synchronise the nodes
+    rarely. The nodes are the launcher's (``GROUP_RANK``, or ``rank // LOCAL_WORLD_SIZE``).
+
+    Returns:
+        The group of the ranks on this node; None without a process group (a single process).
+
+    Raises:
+        ValueError: the nodes hold different numbers of ranks (DiLoCo's rails need the same
+            number on each); the message shows the count of each node.
+
+    Example:
+        >>> model = dptrain.DDP(net, process_group=dptrain.parallel.diloco.node_group())  # doctest: +SKIP
+        >>> diloco = dptrain.DiLoCo(model, opt, sync_every=100)                           # doctest: +SKIP
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        env.check_joined("dptrain.parallel.diloco.node_group")
+        return None
+    nodes = comm.all_gather_object(env.get_world().node_rank)
+    by_node: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(rank)
+    groups = [by_node[k] for k in sorted(by_node)]
+    sizes = {len(g) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"rank {dist.get_rank()}: the nodes hold different numbers of ranks "
+                         f"({', '.join(f'node {k}: {len(by_node[k])}' for k in sorted(by_node))}); start the same "
+                         f"--nproc-per-node on every node to train each node as one DiLoCo replica")
+    made = _made(groups)
+    return made[sorted(by_node).index(nodes[dist.get_rank()])]
+
+
+def _size(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def topology_for(model: Any, group: Any) -> Topology:
+    """The topology of ``model``'s outer exchange; collective over the world for a DDP model.
+
+    ``group`` given: that group, every rank one replica. A :class:`DistributedDataParallel`
+    over a group smaller than the world: the rails (see the module note). Otherwise the world.
+
+    Raises:
+        ValueError: DDP groups of different sizes, or overlapping ones.
+    """
+    if group is not None or not isinstance(model, DistributedDataParallel) or model.process_group is None:
+        return Topology(outer=group, outer_size=_size(group))
+    inner = model.process_group
+    mine = tuple(dist.get_process_group_ranks(inner))
+    every = comm.all_gather_object(mine)
+    groups = sorted(set(every))
+    covered = sorted(r for g in groups for r in g)
+    if covered != list(range(dist.get_world_size())) or len({len(g) for g in groups}) != 1:
+        raise ValueError(f"rank {dist.get_rank()}: DiLoCo over DDP replicas needs DDP groups of equal size that "
+                         f"split the world, got {[list(g) for g in groups]}; build DDP with "
+                         f"process_group=dptrain.parallel.diloco.node_group() on every rank")
+    if len(groups) == 1:  # DDP over the whole world: one replica, nothing to exchange
+        return Topology()
+    width = len(groups[0])
+    rails = _made([[g[i] for g in groups] for i in range(width)])
+    index = mine.index(dist.get_rank())
+    return Topology(outer=rails[index], outer_size=len(groups), node=inner, node_size=width, node_index=index)
