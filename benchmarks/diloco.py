@@ -192,8 +192,8 @@ def _train(key: str, steps: int, rank: int, data, args, distributed: bool) -> di
            "train_losses": losses}
     if diloco is not None:
         out.update(library_bytes=diloco.bytes_sent, num_syncs=diloco.num_syncs)
-    if hasattr(net, "compression_choice"):
-        out["choice"] = net.compression_choice
+    if hasattr(net, "compression_choice"):  # None: fp32, or not decided yet (it decides within 14 steps)
+        out["choice"] = net.compression_choice or ("fp32" if steps >= 14 else "not decided yet")
     if key not in ("floor", "alone"):
         out["val_loss"] = _val_loss(model, valid, args)
     return out

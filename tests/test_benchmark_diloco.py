@@ -64,8 +64,6 @@ def test_quick_run_across_a_shaped_link(tmp_path):
     reason = netlink.unavailable()
     if reason:
         pytest.skip(f"two-namespace link not available: {reason}")
-    if not hasattr(__import__("dptrain"), "DiLoCo"):
-        pytest.skip("dptrain.DiLoCo is not in this tree yet")
     out = tmp_path / "diloco.json"
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "diloco.py"), "--quick", "--rates",
