@@ -326,8 +326,17 @@ def _worker_argv(args, a_steps: int | None, out: str) -> list[str]:
     return argv + ["--a-steps", str(a_steps or 0)]
 
 
+def _raise_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the link's `with`, which removes the namespaces
+
+
 def driver(args) -> int:
+    import signal
+
     from benchmarks import netlink
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_exit)
 
     reason = netlink.unavailable()
     if reason:
