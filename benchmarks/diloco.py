@@ -151,11 +151,11 @@ def _wrap(key: str, model: torch.nn.Module, opt, args):
     if key == "b":
         return dptrain.DDP(model, compression="auto"), None
     if key.startswith("c"):
-        return model, dptrain.DiLoCo(model, opt, sync_every=int(key[1:]), outer_lr=0.7, outer_momentum=0.9,
-                                     nesterov=True)
+        return model, dptrain.DiLoCo(model, opt, sync_every=int(key[1:]), outer_lr=args.outer_lr,
+                                     outer_momentum=args.outer_momentum, nesterov=True)
     if key == "d":
-        return model, dptrain.DiLoCo(model, opt, sync_every=args.stream_h, outer_lr=0.7, outer_momentum=0.9,
-                                     nesterov=True, num_fragments=args.fragments,
+        return model, dptrain.DiLoCo(model, opt, sync_every=args.stream_h, outer_lr=args.outer_lr,
+                                     outer_momentum=args.outer_momentum, nesterov=True, num_fragments=args.fragments,
                                      fragment_sync_delay=args.fragment_delay, compression=args.stream_compression)
     if key in ("floor", "alone"):
         return model, None
@@ -321,7 +321,8 @@ def _goals(rows: list[dict]) -> list[str]:
 def _worker_argv(args, a_steps: int | None, out: str) -> list[str]:
     argv = [os.path.join(ROOT, "benchmarks", "diloco.py"), "--worker", out, "--variants", ",".join(args.wanted)]
     for name in ("dim", "depth", "heads", "block", "batch", "steps", "h", "stream_h", "fragments", "fragment_delay",
-                 "stream_compression", "floor_steps", "num_stories", "val_windows", "lr", "seed"):
+                 "stream_compression", "outer_lr", "outer_momentum", "floor_steps", "num_stories", "val_windows", "lr",
+                 "seed"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return argv + ["--a-steps", str(a_steps or 0)]
 
@@ -345,7 +346,9 @@ def driver(args) -> int:
     torch.set_num_threads(1)
     params = sum(p.numel() for p in _model(args).parameters())
     args.describe = (f"GPT {args.depth}x{args.dim} ({params / 1e6:.2f}M parameters), {args.block} bytes a sequence, "
-                     f"batch {args.batch}/rank x 2 ranks, {args.steps} steps, AdamW lr {args.lr}")
+                     f"batch {args.batch}/rank x 2 ranks, {args.steps} steps, AdamW lr {args.lr}; DiLoCo outer "
+                     f"Nesterov SGD lr {args.outer_lr} momentum {args.outer_momentum}, (d): H={args.stream_h}, "
+                     f"{args.fragments} fragments, delay {args.fragment_delay}, {args.stream_compression}")
     print(f"diloco: {args.describe}; torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     alone = _train("alone", args.alone_steps, 0, _text(args.num_stories), args, distributed=False)
@@ -416,6 +419,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fragments", type=int, help="(d)'s fragments")
     ap.add_argument("--fragment-delay", type=int, help="(d)'s inner steps a fragment's sync overlaps")
     ap.add_argument("--stream-compression", default="int4", choices=("fp32", "bf16", "int8", "int4"))
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate (c and d)")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum (c and d)")
     ap.add_argument("--a-steps", type=int, help="(a)'s timed steps at every rate after the first (0: all)")
     ap.add_argument("--alone-steps", type=int, help="steps of the compute-only measurement")
     ap.add_argument("--floor-steps", type=int, help="steps of the no-communication run inside the job")
