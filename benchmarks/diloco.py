@@ -7,7 +7,7 @@ number of samples with:
 - (a) ``torch.nn.parallel.DistributedDataParallel``, fp32 gradients every step;
 - (b) ``dptrain.DDP(compression="auto")`` (it measures the link and picks fp32, bf16 or PowerSGD);
 - (c) ``dptrain.DiLoCo`` with H inner steps between syncs, for each H of ``--h`` (inner AdamW,
-  outer SGD with Nesterov momentum, lr 0.7, momentum 0.9);
+  outer SGD with Nesterov momentum, ``--outer-lr`` 0.7 and ``--outer-momentum`` 0.9 by default);
 - (d) streaming DiLoCo: the model in ``--fragments`` fragments synced in turn, each overlapped
   with ``--fragment-delay`` inner steps, pseudo-gradients quantised (``--stream-compression``).
 
@@ -26,8 +26,9 @@ variant's asynchronous sends never land in another's numbers. Per variant the ta
   acknowledgements included, plus the little the launchers exchange in the meantime), and
   DiLoCo's own count of payload bytes (``bytes_sent``) where it keeps one;
 - the final validation loss on a fixed held-out slice of the stream (the same windows for all),
-  the mean over both ranks' models (they are equal, except for streaming DiLoCo's fragments
-  still on their way), and its ratio to (a)'s.
+  the mean over both ranks' models (they are equal, except for streaming DiLoCo's last fragment,
+  whose exchange is still on its way when the last step ends: each rank evaluates the weights it
+  holds, without a ``sync_now()``, which would take one more outer step), and its ratio to (a)'s.
 
 Variant (a) over a slow link sends about the whole model's fp32 gradients every step, so at
 every rate after the first it is timed over ``--a-steps`` steps only; its validation loss there
