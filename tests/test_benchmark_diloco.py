@@ -95,7 +95,7 @@ def test_quick_run_across_a_shaped_link(tmp_path):
     assert labels[2].startswith('(b) dptrain DDP compression="auto" (chose ')
     assert labels[3:] == ["(c) DiLoCo H=2", "(c) DiLoCo H=5", "(c) DiLoCo H=10", "(d) streaming DiLoCo"]
     for label, cells in rows.items():
-        assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[4]) > 0  # a time, its rates, whatever they are
+        assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[4]) > 0  # whatever the timings are
         if label.startswith("no communication"):
             continue
         loss = float(cells[8].split()[0])
