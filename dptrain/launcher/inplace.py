@@ -306,9 +306,9 @@ class InPlaceRecovery:
         if renumbered:
             self._beating.clear()
 
-    def _blocker(self, attempt: int, resizing: bool = False) -> tuple[str, str] | None:
+    def _blocker(self, attempt: int, resizing: bool = False, growing: bool = False) -> tuple[str, str] | None:
         """Why the failure at hand cannot be recovered in place (``resizing``: on another world
-        size, see ``resize``): (kind, message), or None."""
+        size, see ``resize``; ``growing``: with nodes let in): (kind, message), or None."""
         store, warn = self.job.store, self.job.warnings
         note = store_values.read(store, recovery_key(attempt, "fallback"), store_values.fallback_note, warn)
         if note is not None:
@@ -324,6 +324,14 @@ class InPlaceRecovery:
             if not resizing:
                 return None
             unable = [r for r in range(world) if not store.check([recovery_key(attempt, f"resizable/{r}")])]
+            if not unable and growing:
+                # A rank that can go on without a node but not take a new one (DiLoCo: see SHRINK_ONLY in
+                # dptrain.train.recovery).
+                shrink = [r for r in range(world) if store.get(recovery_key(attempt, f"resizable/{r}")) == b"shrink"]
+                if shrink:
+                    return "resizable", (f"rank(s) {ranks_text(shrink)} train DiLoCo replicas, which go on without a "
+                                         f"node in place but cannot take a new one (it would have no replica to start "
+                                         f"from); restarting all ranks")
             if not unable:
                 return None
             return "resizable", (f"rank(s) {ranks_text(unable)} cannot share an epoch out anew on fewer ranks (every "

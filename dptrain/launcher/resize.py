@@ -272,7 +272,7 @@ class Nodes:
         room = config.nnodes - len(self.members)
         if not self._waiting or room <= 0:
             return
-        blocker = self.recovery._blocker(self.attempt, resizing=True)
+        blocker = self.recovery._blocker(self.attempt, resizing=True, growing=True)
         if blocker is not None:
             self.recovery.why_not = ("admit", f"node(s) {', '.join(str(a['node']) for a in self._waiting)} arrived, "
                                               f"but the job cannot take them in place: {blocker[1].split(';')[0]}; "

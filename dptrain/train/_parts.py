@@ -167,7 +167,8 @@ class StatefulParts:
         self.optimizer = _Optimizer(strategy, optimizer)
         self.scheduler = _Scheduler(scheduler, self.optimizer, progress, train_loader, world.world_size, config)
         # The progress comes before the scheduler, which may need it to re-plan (see schedule.py).
-        self.parts: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "train_state": progress}
+        self.parts: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, **strategy.extra_parts(),
+                                      "train_state": progress}
         if scheduler is not None:
             self.parts["scheduler"] = self.scheduler
         if scaler is not None:

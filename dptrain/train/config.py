@@ -8,7 +8,7 @@ from typing import Any
 __all__ = ["TrainerConfig", "STRATEGIES", "NAN_POLICIES", "LR_SCHEDULES"]
 
 #: Names accepted by ``TrainerConfig(strategy=...)``.
-STRATEGIES = ("ddp", "fsdp", "torch-ddp", "none", "zero")
+STRATEGIES = ("ddp", "fsdp", "torch-ddp", "none", "zero", "diloco")
 #: Schedules accepted by ``TrainerConfig(lr_schedule=...)``.
 LR_SCHEDULES = ("cosine", "linear", "constant")
 #: What the Trainer does when a loss or gradient norm is not finite.
@@ -22,7 +22,8 @@ class TrainerConfig:
     Attributes:
         strategy: how the model is replicated: ``"ddp"`` (dptrain's DDP), ``"zero"`` (DDP with a
             ZeRO-1 optimizer: 1/N of the optimizer state per rank), ``"fsdp"`` (dptrain's
-            FSDP), ``"torch-ddp"`` (PyTorch's DDP, for comparison) or ``"none"``.
+            FSDP), ``"torch-ddp"`` (PyTorch's DDP, for comparison), ``"diloco"`` (local steps and a
+            rare outer sync, for replicas joined by slow links: see ``diloco_kwargs``) or ``"none"``.
             Default None: ``"ddp"`` when the world has more than one process, else ``"none"``.
         zero_stage: 1 shards the optimizer state (ZeRO-1) under DDP: the same as
             ``strategy="zero"``. Passing a :class:`dptrain.ZeroRedundancyOptimizer` does it
@@ -135,6 +136,11 @@ class TrainerConfig:
         export_safetensors: after ``fit``, write the best (else final) weights here as safetensors.
         ddp_kwargs: extra arguments for the DDP constructor (``bucket_cap_mb``, ...).
         fsdp_kwargs: extra arguments for the FSDP constructor (``auto_wrap_policy``, ...).
+        diloco_kwargs: the settings of :class:`dptrain.DiLoCo` for ``strategy="diloco"``
+            (``sync_every``, ``outer_lr``, ``outer_momentum``, ``nesterov``, ``num_fragments``,
+            ``fragment_sync_delay``, ``fragment_update_alpha``, ``compression``), plus
+            ``replica``: ``"rank"`` (default: every rank a replica) or ``"node"`` (each node one
+            replica, DDP inside it, DiLoCo between the nodes). Default {}: DiLoCo's defaults.
 
     Raises:
         ValueError: a setting is out of range; the message shows the value and the fix.
@@ -193,6 +199,7 @@ class TrainerConfig:
     export_safetensors: str | None = None
     ddp_kwargs: dict = dataclasses.field(default_factory=dict)
     fsdp_kwargs: dict = dataclasses.field(default_factory=dict)
+    diloco_kwargs: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.strategy is not None and self.strategy not in STRATEGIES:
@@ -203,6 +210,7 @@ class TrainerConfig:
                 f"parameters too: use strategy='fsdp')"
             )
         self._check_ddp_extensions()
+        self._check_diloco()
         self._check_trackers()
         for name in ("batch_size", "eval_batch_size"):
             v = getattr(self, name)
@@ -352,6 +360,18 @@ class TrainerConfig:
         )  # fmt: skip
         if clash:
             raise ValueError(f"TrainerConfig(overlap_optimizer=True) cannot be combined with {clash}; drop one of them")
+
+    def _check_diloco(self) -> None:
+        """``diloco_kwargs``: DiLoCo's own settings, each validated as DiLoCo will, and only with its strategy."""
+        if not isinstance(self.diloco_kwargs, dict):
+            raise ValueError(f"TrainerConfig(diloco_kwargs={self.diloco_kwargs!r}) must be a dict, e.g. "
+                             f"{{'sync_every': 100, 'outer_lr': 0.7}}")
+        if self.diloco_kwargs and self.strategy != "diloco":
+            raise ValueError(f"TrainerConfig(diloco_kwargs=...) configures strategy='diloco', but strategy="
+                             f"{self.strategy!r}; set strategy='diloco' or drop diloco_kwargs")
+        from dptrain.parallel.diloco import check_trainer_settings
+
+        check_trainer_settings(self.diloco_kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as plain values (what checkpoints and TensorBoard's hparams store)."""

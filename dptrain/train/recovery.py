@@ -34,6 +34,10 @@ interrupted step is done again with the same data. A checkpoint that was due at 
 and not finished is written again. When a member has no snapshot of the target the run
 cannot go on exactly: the ranks exit with :data:`FALLBACK_EXIT` after writing why, and the
 launcher restarts the whole job from its newest checkpoint instead.
+
+*DiLoCo* keeps no shared state between its outer syncs beyond the outer one, so it takes none
+from a source: every rank rolls back to a round snapshot of its own (see [Note: DiLoCo,
+recovered in place] in :mod:`dptrain.train.rollback`); the commits are numbered as here.
 """
 
 from __future__ import annotations
@@ -51,12 +55,15 @@ import torch.distributed as dist
 
 from dptrain import _heartbeat, _interrupt, _regroup, _settings, comm
 from dptrain._errors import CollectiveError
-from dptrain.train import _transfer, resize
+from dptrain.train import _transfer, resize, rollback
 
 __all__ = ["InPlaceRecovery", "in_place_requested", "is_replacement", "FALLBACK_EXIT"]
 
 #: Exit code of a rank that cannot recover in place (the launcher then restarts the whole job).
 FALLBACK_EXIT = 75
+#: The value of ``recovery/resizable/<rank>`` of a rank that can go on without a node but cannot take a
+#: new one in place (DiLoCo: a newcomer has no replica); the launcher then lets a node in at a restart.
+SHRINK_ONLY = "shrink"
 #: With nodes let into a running job (``DPTRAIN_RECOVERY_ADMIT``): the ranks ask whether one is
 #: ready after every this many optimizer steps (one small all-reduce; see [Note: a node coming back]
 #: in dptrain.launcher.resize).
@@ -81,9 +88,12 @@ def is_replacement() -> bool:
 def _unsupported(trainer: Any) -> str | None:
     """Why this Trainer cannot recover in place, or None when it can."""
     strategy = trainer.strategy
+    if strategy.name == "diloco":  # rolls back to a round snapshot instead: see dptrain.train.rollback
+        return rollback.obstacle(trainer)
     if strategy.name != "ddp":
-        return (f"strategy {strategy.name!r} (in-place recovery works with dptrain's DDP, strategy='ddp'; FSDP, ZeRO "
-                f"and torch's DDP restart the whole job)")
+        return (f"strategy {strategy.name!r} (in-place recovery works with dptrain's DDP, strategy='ddp', and with "
+                f"DiLoCo, strategy='diloco'; FSDP, ZeRO and torch's DDP restart the whole job from its newest "
+                f"checkpoint)")
     if getattr(strategy, "steps_in_backward", None):
         return "an optimizer stepped inside backward (overlap_optimizer) cannot be rolled back"
     if not hasattr(trainer.model, "_rejoin"):
@@ -203,8 +213,13 @@ class InPlaceRecovery:
         # See [Note: going on without a node] in dptrain.train.resize.
         self.resizable = self.active and resize.obstacle(trainer) is None
         # Nodes may be let in while the job runs: every rank takes part in the check (see the Note).
-        self.admitting = self.resizable and _settings.get("DPTRAIN_RECOVERY_ADMIT")
+        # (Not DiLoCo's: a node let in would bring replicas with nothing to start from; see SHRINK_ONLY.)
+        self.admitting = (self.resizable and _settings.get("DPTRAIN_RECOVERY_ADMIT")
+                          and trainer.strategy.name != "diloco")
         self._watching: list = []  # the model's hooks that stop a step at once (see dptrain._interrupt)
+        # DiLoCo: replicas differ between syncs, so a failure rolls back to a round snapshot instead of
+        # taking a live rank's state (see [Note: DiLoCo, recovered in place] in dptrain.train.rollback).
+        self.rounds = rollback.RoundSnapshots(self) if self.active and trainer.strategy.name == "diloco" else None
 
     # -- commits -------------------------------------------------------------------------
     def _own_state(self, loss_sum: torch.Tensor, count: int) -> _Snapshot:
@@ -215,7 +230,7 @@ class InPlaceRecovery:
 
     def _write(self, snap: _Snapshot) -> None:
         """Make ``snap`` readable by a replacement of this rank (see [Note: in-place recovery])."""
-        if not self.directory:
+        if not self.directory or self.rounds is not None:  # DiLoCo recovers from its round snapshots only
             return
         rank = self.trainer.rank
         tmp = os.path.join(self.directory, f"rank{rank}.tmp")
@@ -264,10 +279,12 @@ class InPlaceRecovery:
             self._prepare(trainer.state.loss_sum, trainer.state.sample_count)
         snap = self.prepared
         self.seq, self.snapshot, self.prepared = snap["seq"], snap, None
-        self.layout = _layout(trainer.model)  # DDP's buckets as this commit left them
+        self.layout = _layout(trainer.model) if self.rounds is None else None  # DDP's buckets at this commit
         pending = trainer.state._pending_loader_state  # a resumed position not yet given to the loader
         self.loader_state = pending if pending is not None else trainer._parts.parts["train_loader"].state_dict()
         self.pending_save = False
+        if self.rounds is not None:
+            self.rounds.at_commit(self.seq, snap, boundary)
         if boundary and self.admitting and (batch == 0 or trainer.state.global_step % ADMIT_EVERY_STEPS == 0):
             self._look_for_newcomers()
 
@@ -335,7 +352,10 @@ class InPlaceRecovery:
             if not self._watching and _interrupt.install():  # see [Note: stopping a step at once]
                 self._watching = _interrupt.watch_modules(trainer.model)
             if self.resizable:
-                env._STATE.store.set(f"recovery/resizable/{trainer.rank}", "1")
+                # DiLoCo goes on with fewer replicas but cannot take a new one in place (it would have no
+                # replica of its own to start from): "shrink" tells the launcher to let a node in at the
+                # next restart only (see dptrain.launcher.inplace).
+                env._STATE.store.set(f"recovery/resizable/{trainer.rank}", SHRINK_ONLY if self.rounds else "1")
             if self.seq < 0:
                 self.commit(trainer.state.batch_in_epoch, prepared=False, boundary=False)
         elif trainer.rank == 0 and not trainer.world.restart_count:  # once for the job, not per restart
@@ -411,7 +431,10 @@ class InPlaceRecovery:
         # A shared-memory collective that a live peer will never issue (it failed elsewhere first)
         # is abandoned now instead of at the collective timeout.
         _shm.abort_all("in-place recovery re-forms the process group")
-        self.trainer.model._leave_group()  # its reducer's works in flight hold the group too
+        if hasattr(self.trainer.model, "_leave_group"):
+            self.trainer.model._leave_group()  # its reducer's works in flight hold the group too
+        if self.rounds is not None:
+            self.rounds.diloco._drop_in_flight()  # DiLoCo's exchanges in flight hold it too
         # What else still holds the group (a work in a reference cycle) no longer matters to the
         # peers: its connections are shut down before it is destroyed (see dptrain._regroup).
 
@@ -505,7 +528,7 @@ class InPlaceRecovery:
     def _pack_early(self, generation: int, failed_at: float | None) -> "_transfer.PackedEarly | None":
         """A survivor that will most likely send the state starts packing it, on a thread, once the
         group is re-formed (see :class:`_transfer.PackedEarly`); None for the others."""
-        if failed_at is None or not self._likely_source(generation):
+        if failed_at is None or self.rounds is not None or not self._likely_source(generation):
             return None
         t = self.trainer
         return _transfer.PackedEarly(self._shared_state, self.directory, _transfer.transfer_device(), t.model,
@@ -515,6 +538,9 @@ class InPlaceRecovery:
                               early: "_transfer.PackedEarly | None" = None) -> None:
         from dptrain import env
 
+        if self.rounds is not None:
+            self.rounds.recover(generation, failed_at)
+            return
         t = self.trainer
         # One exchange decides it all (every member computes the same from the same list): the target,
         # its source, and whether every member holds its own part of the target.

@@ -46,6 +46,9 @@ def obstacle(trainer: Any) -> str | None:
 
     if not hasattr(trainer, "train_loader"):
         return "a plain loop (dptrain.RecoverableLoop) goes on in place at the same world size only"
+    # DiLoCo (replica='rank') goes on without a node too: the survivors roll back to their round
+    # snapshots and the outer mean is over the replicas left (see [Note: DiLoCo without a node] in
+    # dptrain.train.rollback). replica='node' never gets here (it does not recover in place at all).
     for name, loader in _loaders(trainer):
         sampler = _sampler_of(loader)
         if isinstance(sampler, DistributedSampler):

@@ -88,6 +88,9 @@ class Strategy:
         )
 
     # -- training ---------------------------------------------------------------------
+    def after_optimizer_step(self) -> None:
+        """Called after every optimizer step that was taken (DiLoCo counts it, and syncs in turn)."""
+
     def no_sync(self, model: nn.Module):
         """Context for micro-batches whose gradients are only accumulated locally."""
         no_sync = getattr(model, "no_sync", None)
@@ -116,6 +119,14 @@ class Strategy:
     def eval_module(self, model: nn.Module) -> nn.Module:
         """What evaluation runs: the bare model (no per-forward buffer broadcast, no hooks)."""
         return ckpt.unwrap_model(model)
+
+    def evaluating(self, model: nn.Module):
+        """Context around an evaluation: the weights it tests (DiLoCo: the replicas' common ones)."""
+        return contextlib.nullcontext()
+
+    def extra_parts(self) -> dict[str, Any]:
+        """Stateful parts of the strategy's own for a checkpoint, restored after the optimizer."""
+        return {}
 
     # -- state ------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
@@ -253,8 +264,83 @@ class _FSDPStrategy(_Replicated):
         return dict(model.full_state_dict(rank0_only=rank0_only))
 
 
+class _DiLoCoStrategy(_Replicated):
+    """DiLoCo: every rank (or every node, DDP inside it) trains alone for ``sync_every`` steps,
+    then the replicas take one outer step together (:class:`dptrain.DiLoCo`).
+
+    Replicas differ between syncs, so each rank checkpoints its own weights, inner optimizer
+    and DiLoCo state (a part of its own, like FSDP's optimizer shards: resume on the same
+    world size), while the checkpoint's ``model`` is the replicas' common (outer) weights: what
+    evaluation tests, ``best.pt`` keeps and an export writes.
+    """
+
+    name = "diloco"
+    shards_optimizer = True  # each replica's inner optimizer has its own state
+
+    def __init__(self, device: torch.device, config_kwargs: dict | None = None, overlap_optimizer: bool = False) -> None:
+        super().__init__(device, config_kwargs, overlap_optimizer)
+        from dptrain.parallel.diloco import check_trainer_settings
+
+        settings = check_trainer_settings(self.kwargs)
+        self.replica = settings.pop("replica")
+        self.settings = settings
+        self.diloco: Any = None  # made by prepare(), with the optimizer
+
+    def prepare(self, model: nn.Module, optimizer: Any, world_size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from dptrain.parallel.diloco import DiLoCo
+
+        wrapped, built = super().prepare(model, optimizer, world_size)
+        self.diloco = DiLoCo(wrapped, built, **self.settings)
+        return wrapped, built
+
+    def wrap(self, model: nn.Module, world_size: int) -> nn.Module:
+        if self.replica != "node" or not comm.is_distributed():
+            return model
+        from dptrain.parallel.ddp import DistributedDataParallel
+        from dptrain.parallel.diloco import node_group
+
+        ids = [self.device.index] if self.device.type == "cuda" and self.device.index is not None else None
+        return DistributedDataParallel(model, device_ids=ids, process_group=node_group())
+
+    def after_optimizer_step(self) -> None:
+        self.diloco.step()
+
+    @contextlib.contextmanager
+    def evaluating(self, model: nn.Module):
+        with self.diloco.outer_weights():
+            yield
+
+    def model_state_dict(self, model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        with self.diloco.outer_weights():
+            return {k: v.detach().clone() for k, v in super().model_state_dict(model, rank0_only).items()}
+
+    def extra_parts(self) -> dict[str, Any]:
+        return {"diloco": _DiLoCoPart(self)}
+
+
+class _DiLoCoPart:
+    """This rank's replica in a checkpoint: its own weights and DiLoCo's state (outer weights,
+    outer momentum, the round's position, exchanges not yet applied). One file per rank."""
+
+    sharded = True
+
+    def __init__(self, strategy: _DiLoCoStrategy) -> None:
+        self.strategy = strategy
+
+    def state_dict(self) -> dict:
+        diloco = self.strategy.diloco
+        return {"diloco": diloco.state_dict(), "weights": [p.detach().cpu().clone() for p in diloco.parameters()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        diloco = self.strategy.diloco
+        diloco.load_state_dict(state["diloco"])
+        with torch.no_grad():
+            for p, saved in zip(diloco.parameters(), state["weights"]):
+                p.copy_(saved)
+
+
 _STRATEGY_TYPES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Strategy, _DDPStrategy, _TorchDDPStrategy, _ZeroStrategy, _FSDPStrategy)
+    cls.name: cls for cls in (Strategy, _DDPStrategy, _TorchDDPStrategy, _ZeroStrategy, _FSDPStrategy, _DiLoCoStrategy)
 }
 
 
@@ -276,7 +362,8 @@ def make_strategy(name: str | None, world_size: int, device: torch.device, confi
             f"TrainerConfig(strategy={name!r}) cannot shard the optimizer ZeRO-1 style; use strategy='zero' "
             f"(or 'ddp' with zero_stage=1){' -- FSDP shards it already' if name == 'fsdp' else ''}"
         )
-    kwargs = config.fsdp_kwargs if name == "fsdp" else config.ddp_kwargs if name in ("ddp", "torch-ddp", "zero") else {}
+    kwargs = (config.fsdp_kwargs if name == "fsdp" else config.ddp_kwargs if name in ("ddp", "torch-ddp", "zero")
+              else getattr(config, "diloco_kwargs", {}) if name == "diloco" else {})
     # Compression and the optimizer overlap concern dptrain's DDP only (the config refuses the
     # other strategies); on one process ("none", picked automatically) there is nothing to do.
     compression = getattr(config, "compression", None)

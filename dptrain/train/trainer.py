@@ -748,6 +748,8 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        if not skip:
+            self.strategy.after_optimizer_step()  # DiLoCo's count (and, in turn, its outer sync): before the commit
         self.optimizer.zero_grad(set_to_none=True)
         if not skip:
             self.state.global_step += 1
@@ -857,14 +859,15 @@ class Trainer:
         net = self.strategy.eval_module(self.model)
         streamed = isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
         own = self._own_evaluation()
-        if own or streamed:
-            step = self.evaluation_step if own else self._batch_metrics
-            return evaluation.evaluate_steps(step, net, loader, device=self.device, lockstep=self.strategy.lockstep_eval,
-                                             autocast=self._autocast)
-        return evaluation.evaluate(
-            net, loader, device=self.device, lockstep=self.strategy.lockstep_eval,
-            autocast=self._autocast, loss_fn=self.loss_fn, metric_fn=self.metric_fn, rank=self.rank,
-        )  # fmt: skip
+        with self.strategy.evaluating(self.model):  # DiLoCo: the replicas' common weights
+            if own or streamed:
+                step = self.evaluation_step if own else self._batch_metrics
+                return evaluation.evaluate_steps(step, net, loader, device=self.device,
+                                                 lockstep=self.strategy.lockstep_eval, autocast=self._autocast)
+            return evaluation.evaluate(
+                net, loader, device=self.device, lockstep=self.strategy.lockstep_eval,
+                autocast=self._autocast, loss_fn=self.loss_fn, metric_fn=self.metric_fn, rank=self.rank,
+            )  # fmt: skip
 
     def _batch_metrics(self, model: nn.Module, batch: Any) -> dict[str, Any]:
         """``loss_fn`` and ``metric_fn`` on one batch: evaluation of a stream, which cannot be gathered in order."""

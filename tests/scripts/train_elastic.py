@@ -12,7 +12,8 @@ so for each step only the lines of its newest generation count; each rank also p
 when it starts, and its pid, rank and a digest of its weights when it finishes. Without
 ``--ckpt`` there is no checkpoint directory: whatever state a rank recovers comes from a live
 peer. A short sleep per step leaves the test time to take a node away in the middle of the
-first epoch.
+first epoch. ``--diloco H`` trains with ``strategy="diloco"`` (every rank a replica, an outer
+sync every H steps) instead of DDP.
 """
 import argparse
 import hashlib
@@ -32,6 +33,7 @@ p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--samples", type=int, default=240)
 p.add_argument("--sleep", type=float, default=0.1)
 p.add_argument("--per-process", action="store_true")
+p.add_argument("--diloco", type=int, default=0, help="train with strategy='diloco', sync_every this (0: DDP)")
 args = p.parse_args()
 
 world = dptrain.init()
@@ -59,14 +61,16 @@ def loss_fn(out, index):
     return nn.functional.mse_loss(out, y[index])
 
 
+diloco = {"strategy": "diloco", "diloco_kwargs": {"sync_every": args.diloco}} if args.diloco else {}
 config = dptrain.TrainerConfig(checkpoint_dir=args.ckpt, save_every_steps=4 if args.ckpt else 0, keep_last=3,
-                               verbose=False, progress=False)
+                               verbose=False, progress=False, **diloco)
 trainer = dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), loader, loss_fn, config)
 if trainer.resumed_from:
     print(f"rank {world.rank} of {world.world_size} resumed from {os.path.basename(trainer.resumed_from)}", flush=True)
 trainer.fit(args.epochs)
 if args.per_process:
-    weights = b"".join(v.detach().numpy().tobytes() for v in model.state_dict().values())
+    # The Trainer's weights: DiLoCo's are the replicas' common (outer) ones.
+    weights = b"".join(v.detach().numpy().tobytes() for v in trainer.model_state_dict().values())
     print(f"finished pid {os.getpid()} as rank {dptrain.rank()} of {dptrain.world_size()} at step "
           f"{trainer.global_step} weights {hashlib.sha256(weights).hexdigest()[:16]}", flush=True)
 else:

@@ -5,14 +5,16 @@ Environment:
   CKPT    checkpoint directory (unset: the job keeps no checkpoints at all)
   KILLS   ';'-separated kills "rank:generation:where:at": the process of that rank started for that
           generation (0: the job's own ranks; g: the replacement of generation g) SIGKILLs itself
-          where = forward | all_reduce | optimizer | checkpoint | eval | stall | forget  at optimizer step
+          where = forward | all_reduce | optimizer | checkpoint | eval | stall | forget | sync  at optimizer step
           ``at`` (for eval: the epoch, counted from 1; stall: stops itself with SIGSTOP instead of dying;
-          forget: dies in the forward after deleting its rank's step snapshots, so its replacement has none),
+          forget: dies in the forward after deleting its rank's step snapshots, so its replacement has none;
+          sync: dies right after starting a DiLoCo outer exchange, its bytes perhaps half sent),
           or init: right after dptrain.init() (a replacement that dies while it joins), or after: once
           Trainer.fit has returned
   EPOCHS  epochs (default 2)
   FITS    ','-separated epoch counts: Trainer.fit to each in turn, in the one process (instead of EPOCHS)
   STRATEGY the Trainer's strategy (default: its own choice, "ddp")
+  DILOCO  JSON of TrainerConfig(diloco_kwargs=...) for STRATEGY=diloco
   ACCUM, AMP, CLIP  gradient accumulation steps; bf16 autocast; clipping at norm 1 (default: none of them)
   WORKERS  the train loader's worker processes (default 0)
   SLOW    "rank:at:seconds": that rank's first process sleeps that long before the forward of each module,
@@ -53,10 +55,17 @@ def note(name: str, **what) -> None:
 def die(trainer, where: str, **more) -> None:
     note(f"killed-rank{trainer.rank}-gen{GEN}.json", rank=trainer.rank, gen=GEN, where=where, pid=os.getpid(),
          step=trainer.global_step, stack=[f.name for f in traceback.extract_stack()], **more)
-    if where == "forget":
-        for name in (f"rank{trainer.rank}.0", f"rank{trainer.rank}.1"):
-            os.remove(os.path.join(os.environ["DPTRAIN_RECOVERY_DIR"], name))
+    if where == "forget":  # the step snapshots (DDP) or the round snapshots (DiLoCo) this rank wrote
+        folder = os.environ["DPTRAIN_RECOVERY_DIR"]
+        for name in os.listdir(folder):
+            if name.startswith((f"rank{trainer.rank}.", f"round{trainer.rank}-")):
+                os.remove(os.path.join(folder, name))
     os.kill(os.getpid(), signal.SIGSTOP if where == "stall" else signal.SIGKILL)
+
+
+def bare(trainer):
+    """The model without its DDP wrapper (DiLoCo's plain form trains the bare model)."""
+    return getattr(trainer.model, "module", trainer.model)
 
 
 def arm(trainer, where: str, at: int) -> None:
@@ -64,7 +73,7 @@ def arm(trainer, where: str, at: int) -> None:
         def pre(module, args):
             if module.training and trainer.global_step + 1 == at:
                 die(trainer, where)
-        trainer.model.module.register_forward_pre_hook(pre)
+        bare(trainer).register_forward_pre_hook(pre)
     elif where == "all_reduce":
         from dptrain.parallel.ddp._reducer import Reducer
 
@@ -98,7 +107,16 @@ def arm(trainer, where: str, at: int) -> None:
         def pre(module, args):
             if not module.training and trainer.epoch + 1 == at:
                 die(trainer, where)
-        trainer.model.module.register_forward_pre_hook(pre)
+        bare(trainer).register_forward_pre_hook(pre)
+    elif where == "sync":
+        diloco = trainer.strategy.diloco
+        real_launch = diloco._launch
+
+        def launch(f, apply_at):
+            real_launch(f, apply_at)
+            if trainer.global_step + 1 == at:  # inside optimizer step ``at`` (counted after DiLoCo's step)
+                die(trainer, where, fragment=f)
+        diloco._launch = launch
     else:
         raise SystemExit(f"unknown kill {where!r}")
 
@@ -120,8 +138,8 @@ def slow(trainer, rank: int):
         if module.training and trainer.global_step + 1 == int(at) and len(entered) == 1:
             slept.append(type(module).__name__)
             time.sleep(float(seconds))
-    trainer.model.module.register_forward_pre_hook(first)
-    for module in trainer.model.module.modules():
+    bare(trainer).register_forward_pre_hook(first)
+    for module in bare(trainer).modules():
         module.register_forward_pre_hook(pre)
     return slept
 
@@ -175,7 +193,9 @@ def main() -> None:
                            gradient_accumulation_steps=int(os.environ.get("ACCUM") or 1),
                            amp=bool(os.environ.get("AMP")), amp_dtype="bfloat16",
                            max_grad_norm=1.0 if os.environ.get("CLIP") else None,
-                           ddp_kwargs={"bucket_cap_mb": 0.001})  # several buckets: a kill can land between them
+                           ddp_kwargs={} if os.environ.get("STRATEGY") == "diloco" else {"bucket_cap_mb": 0.001},
+                           diloco_kwargs=json.loads(os.environ.get("DILOCO") or "{}"))
+    # (ddp_kwargs: several buckets, so that a kill can land between them)
     trainer = Trainer(model, opt, prepare_dataloader(torch.utils.data.TensorDataset(x, y), 4, seed=3,
                                                         num_workers=int(os.environ.get("WORKERS") or 0)),
                       nn.CrossEntropyLoss(), config, dev_data=prepare_dataloader(dev, 8, mode="eval"),
@@ -197,8 +217,13 @@ def main() -> None:
         rank, gen, where, _ = spec.split(":")
         if where == "after" and int(rank) == world.rank and int(gen) == GEN and not world.restart_count:
             die(trainer, where)  # fit has returned on this rank
-    state = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}  # buffers too
-    torch.save({"state": state, "pid": os.getpid(), "gen": GEN, "step": summary["global_step"],
+    state = {k: v.detach().clone() for k, v in bare(trainer).state_dict().items()}  # buffers too
+    extra = {}
+    if os.environ.get("STRATEGY") == "diloco":  # each rank's replica above; the replicas' common weights here
+        extra["common"] = trainer.model_state_dict()
+        rounds = getattr(trainer._recovery, "rounds", None)  # DiLoCo's round snapshots (in place only)
+        extra["rounds"] = {"written": rounds.written, "write_s": rounds.write_s, "bytes": rounds.bytes} if rounds else None
+    torch.save({"state": state, "pid": os.getpid(), "gen": GEN, "step": summary["global_step"], **extra,
                 "history": [{k: v for k, v in h.items() if k not in ("time_s", "samples_per_s")}
                             for h in summary["history"]]},
                os.path.join(OUT, f"final-rank{world.rank}.pt"))

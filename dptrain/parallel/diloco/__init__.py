@@ -13,6 +13,6 @@ The door of this package (:class:`DiLoCo`, :func:`node_group`). Following one sy
 
 from dptrain.parallel.diloco._codec import CODECS
 from dptrain.parallel.diloco._groups import node_group
-from dptrain.parallel.diloco.api import DiLoCo
+from dptrain.parallel.diloco.api import DiLoCo, check_trainer_settings
 
-__all__ = ["DiLoCo", "node_group", "CODECS"]
+__all__ = ["DiLoCo", "node_group", "CODECS", "check_trainer_settings"]

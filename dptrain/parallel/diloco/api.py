@@ -19,17 +19,19 @@ evaluates alike.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from dptrain import comm, env
+from dptrain.parallel.ddp import _recovery as ddp_recovery
 from dptrain.parallel.diloco import _codec, _fragments, _groups
 from dptrain.parallel.diloco._exchange import Exchange
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "check_trainer_settings", "TRAINER_KEYS"]
 
 
 class DiLoCo:
@@ -121,10 +123,14 @@ class DiLoCo:
         _check_optimizer(inner_optimizer, self._params)
         self._fragments = _fragments.split(self._params, self.num_fragments)
         self._offsets = _fragments.offsets(self.sync_every, self.num_fragments)
+        self._group = group  # the user's exchange group, or None: the world (followed by _follow_world)
         self._topology = _groups.topology_for(model, group)
         self._buffers = [b for b in model.buffers()]
         with torch.no_grad():
-            if not self._topology.alone:  # every replica starts from the first one's weights
+            # Every replica starts from the first one's weights -- except in a process that replaces a dead
+            # rank (``dptrain run --recovery in-place``): the others are not building anything, and its
+            # replica comes from the dead rank's round snapshot (see dptrain.train.rollback).
+            if not self._topology.alone and not ddp_recovery.is_joining():
                 comm.broadcast_coalesced([p.data for p in self._params] + self._buffers, src=0,
                                          group=self._topology.outer, name="DiLoCo: the first replica's weights")
             self._outer = [p.detach().to(torch.float32, copy=True) for p in self._params]
@@ -150,6 +156,32 @@ class DiLoCo:
     def inner_step(self) -> int:
         """Inner steps taken so far (what :meth:`step` counted)."""
         return self._step
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The model's trainable parameters, in the order DiLoCo keeps its outer weights."""
+        return list(self._params)
+
+    @contextlib.contextmanager
+    def outer_weights(self) -> Iterator[None]:
+        """Within the block, the model holds the outer weights -- the replicas' common weights of
+        the last sync of each fragment, the same on every replica -- and its own afterwards.
+
+        For evaluating or saving the common model in the middle of a round without syncing.
+
+        Example:
+            >>> with diloco.outer_weights():
+            ...     torch.save(model.state_dict(), "common.pt")
+        """
+        with torch.no_grad():
+            local = [p.detach().clone() for p in self._params]
+            for p, outer in zip(self._params, self._outer):
+                p.copy_(outer)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, mine in zip(self._params, local):
+                    p.copy_(mine)
 
     def step(self) -> None:
         """Count one inner step; sync the fragments whose turn it is.
@@ -241,6 +273,26 @@ class DiLoCo:
                     offset += b.numel()
             if others:
                 comm.broadcast_coalesced(others, src=0, group=top.outer, name="DiLoCo: the first replica's buffers")
+
+    def _drop_in_flight(self) -> None:
+        """Forget the exchanges in flight without waiting for them: their process group is broken (a
+        replica died) and the state is about to be rolled back (see dptrain.train.rollback)."""
+        self._pending = []
+
+    def _follow_world(self) -> None:
+        """In-place recovery went on without a node (see [Note: DiLoCo without a node] in
+        dptrain.train.rollback): exchange over the re-formed world from now on, among the replicas
+        present. Collective (every member calls it, as after a re-form); the exchanges in flight
+        are dropped (their group is gone).
+
+        Raises:
+            RuntimeError: DiLoCo was built with a ``group`` of the user's, which cannot follow.
+        """
+        if self._group is not None:
+            raise RuntimeError("DiLoCo built with a process group of its own cannot follow a re-formed world; build "
+                               "it with group=None to go on without a lost node in place")
+        self._pending = []
+        self._topology = _groups.topology_for(self.model, None)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -344,3 +396,25 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.Tensor
     if stray:
         raise ValueError(f"DiLoCo: the inner optimizer steps {stray} tensor(s) that are not trainable parameters of "
                          f"the model; build the optimizer over model.parameters() of the model passed to DiLoCo")
+
+
+#: The keys of ``TrainerConfig(diloco_kwargs=...)``: DiLoCo's settings and where replicas are.
+TRAINER_KEYS = ("sync_every", "outer_lr", "outer_momentum", "nesterov", "num_fragments", "fragment_sync_delay",
+                "fragment_update_alpha", "compression", "replica")
+
+
+def check_trainer_settings(kwargs: dict) -> dict:
+    """``TrainerConfig(diloco_kwargs=kwargs)`` checked as :class:`DiLoCo` would check them, with
+    DiLoCo's defaults filled in; ValueError naming an unknown key or a value out of range."""
+    unknown = sorted(set(kwargs) - set(TRAINER_KEYS))
+    if unknown:
+        raise ValueError(f"TrainerConfig(diloco_kwargs=...) does not know {unknown}; use {list(TRAINER_KEYS)}")
+    full = {"sync_every": 500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "num_fragments": 1,
+            "fragment_sync_delay": 0, "fragment_update_alpha": 0.0, "compression": "fp32", "replica": "rank", **kwargs}
+    if full["replica"] not in ("rank", "node"):
+        raise ValueError(f"TrainerConfig(diloco_kwargs={{'replica': {full['replica']!r}}}) must be 'rank' (every rank "
+                         f"a replica) or 'node' (DDP inside each node, DiLoCo between nodes)")
+    _check_settings(full["sync_every"], full["outer_lr"], full["outer_momentum"], full["num_fragments"],
+                    full["fragment_sync_delay"], full["fragment_update_alpha"])
+    _codec.check_codec(full["compression"])
+    return full
