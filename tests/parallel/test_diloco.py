@@ -279,3 +279,22 @@ def test_alone_the_outer_step_runs_on_the_own_pseudo_gradient():
         _inner_step(plain, plain_opt, 0, step)
     torch.testing.assert_close(_flat(model), _flat(plain), rtol=0, atol=1e-6)
     assert diloco.bytes_sent == 0 and diloco.num_syncs == 2
+
+
+# ---------------------------------------------------------------- sync_now twice changes nothing
+def _sync_now_twice(rank):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = dptrain.DiLoCo(model, opt, sync_every=3, outer_lr=0.7, outer_momentum=0.9)
+    for step in range(7):  # two outer steps: the momentum is built up
+        _inner_step(model, opt, rank, step)
+        diloco.step()
+    diloco.sync_now()
+    after_first = _flat(model).clone()
+    diloco.sync_now()  # nothing moved since: the weights stand (momentum alone moved them before)
+    return after_first, _flat(model)
+
+
+def test_sync_now_right_after_a_sync_leaves_the_weights_as_they_are():
+    for first, second in run_ranks(_sync_now_twice, 2):
+        assert torch.equal(first, second), (first - second).abs().max()

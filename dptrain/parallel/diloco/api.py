@@ -207,7 +207,9 @@ class DiLoCo:
         Applies the exchanges in flight first, then averages every fragment's pseudo-gradient
         and takes its outer step (ignoring ``fragment_sync_delay``), and the buffers. The
         schedule goes on from the current step. Use it before evaluating or saving a final
-        model. Collective: every replica calls it at the same point.
+        model. A fragment that no replica changed since its last sync keeps its weights (no
+        outer step: momentum alone would move them), so calling it twice changes nothing.
+        Collective: every replica calls it at the same point.
         """
         for f, _, exchange in sorted(self._pending, key=lambda e: e[1]):
             self._apply(f, exchange)
@@ -239,6 +241,15 @@ class DiLoCo:
         self.node_bytes_sent += exchange.node_bytes_sent
         frag = self._fragments[f]
         alpha = self.fragment_update_alpha
+        if not bool(mean.any()):
+            # No replica moved since the fragment's last sync (sync_now() right after one, or before any
+            # inner step): the outer weights stand. An SGD step on a zero gradient would still move them
+            # by its momentum. The mean is the same bits on every replica, so all skip alike.
+            with torch.no_grad():
+                for i in frag:
+                    self._params[i].copy_(self._outer[i])
+            self.num_syncs += 1
+            return
         with torch.no_grad():
             offset = 0
             for i in frag:
