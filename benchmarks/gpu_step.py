@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dptrain
-from dptrain import _torch_version
+from dptrain.runtime import torch_version as _torch_version
 
 
 def _mlp(width: int, depth: int) -> nn.Module:

@@ -19,26 +19,26 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dptrain import _torch_version
+from dptrain.runtime import torch_version as _torch_version
 
 _torch_version.check()  # a clear ImportError for a torch older than dptrain supports
 
-from dptrain._errors import RankFailedError  # imported now: it needs no torch
+from dptrain.runtime.errors import RankFailedError  # imported now: it needs no torch
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it (a module name alone: the module itself)
 _EXPORTS = {
-    "World": "dptrain.env",
-    "device": "dptrain.env",
-    "get_world": "dptrain.env",
-    "init": "dptrain.env",
-    "is_initialized": "dptrain.env",
-    "is_main_process": "dptrain.env",
-    "local_rank": "dptrain.env",
-    "rank": "dptrain.env",
-    "shutdown": "dptrain.env",
-    "world_size": "dptrain.env",
+    "World": "dptrain.runtime.env",
+    "device": "dptrain.runtime.env",
+    "get_world": "dptrain.runtime.env",
+    "init": "dptrain.runtime.env",
+    "is_initialized": "dptrain.runtime.env",
+    "is_main_process": "dptrain.runtime.env",
+    "local_rank": "dptrain.runtime.env",
+    "rank": "dptrain.runtime.env",
+    "shutdown": "dptrain.runtime.env",
+    "world_size": "dptrain.runtime.env",
     "comm": "dptrain.comm",
     "checkpoint": "dptrain.checkpoint",
     "DistributedSampler": "dptrain.data",
@@ -88,7 +88,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from dptrain import checkpoint, comm, data, environments, models, parallel, train
     from dptrain.data import DistributedSampler, gather_results, main_process_first, prepare_dataloader
-    from dptrain.env import (World, device, get_world, init, is_initialized, is_main_process, local_rank, rank,
+    from dptrain.runtime.env import (World, device, get_world, init, is_initialized, is_main_process, local_rank, rank,
                              shutdown, world_size)
     from dptrain.launcher.spawn import spawn
     from dptrain.parallel.ddp import DDP, DistributedDataParallel

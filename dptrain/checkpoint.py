@@ -41,7 +41,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from dptrain import _proc, _torch_version, env
+from dptrain.runtime import proc as _proc, torch_version as _torch_version, env
 
 __all__ = [
     "CheckpointError",

@@ -26,8 +26,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from dptrain import _diagnostics, _exit, env  # noqa: F401 - _exit: a clean end for a rank that runs collectives
-from dptrain._errors import CollectiveError, CollectiveMismatchError
+from dptrain.runtime import diagnostics as _diagnostics, env
+from dptrain.runtime import exit as _exit  # noqa: F401 - a clean end for a rank that runs collectives
+from dptrain.runtime.errors import CollectiveError, CollectiveMismatchError
 
 __all__ = [
     "CollectiveError",
@@ -69,7 +70,7 @@ def _alone(name: str, group: Any) -> bool:
 
     That is a process group of one rank, or none at all in a plain single process. With no
     process group under a launcher that says the world is larger, it raises instead
-    (:func:`dptrain.env.check_joined`): each rank going on alone would split the job silently.
+    (:func:`dptrain.runtime.env.check_joined`): each rank going on alone would split the job silently.
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group) == 1

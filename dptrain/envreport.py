@@ -2,7 +2,7 @@
 
 Versions (dptrain, torch, Python, CUDA, NCCL), the backends torch.distributed offers, the
 GPUs and CPU cores, every distributed environment variable that is set (a ``DPTRAIN_*`` one
-with what is wrong with its value, see ``dptrain._settings``), the network
+with what is wrong with its value, see ``dptrain.runtime.settings``), the network
 interface gloo would use, and whether shared memory, network namespaces and Slurm are there.
 Nothing here starts a process group or contacts another host.
 """
@@ -18,7 +18,8 @@ import subprocess
 import sys
 from typing import Any
 
-from dptrain import _settings, environments
+from dptrain import environments
+from dptrain.runtime import settings as _settings
 
 __all__ = ["collect", "format_report"]
 

@@ -20,7 +20,8 @@ import dptrain
 DEFAULT_TIMEOUT_S = float(os.environ.get("DPTRAIN_TEST_TIMEOUT", "90"))
 
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "dptrain", "dptrain.env", "dptrain.comm", "dptrain.parallel", "dptrain.train"])
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "dptrain", "dptrain.runtime.env", "dptrain.comm",
+                             "dptrain.parallel", "dptrain.train"])
 
 
 def _rank_main(rank: int, fn, args, backend: str, threads: int):

@@ -27,20 +27,19 @@ PACKAGE = os.path.join(ROOT, "dptrain")
 #: that it equals or starts (``dptrain.parallel`` holds ``dptrain.parallel.ddp.reducer``).
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("ground: no torch, shared by the launcher and the ranks",
-     ("dptrain._errors", "dptrain._exit", "dptrain._heartbeat", "dptrain._proc", "dptrain._settings",
-      "dptrain._torch_version")),
+     ("dptrain.runtime", "dptrain.runtime.errors", "dptrain.runtime.exit", "dptrain.runtime.heartbeat",
+      "dptrain.runtime.proc", "dptrain.runtime.settings", "dptrain.runtime.torch_version")),
     ("who am I", ("dptrain.environments",)),
     ("joining a job and talking in it",
-     ("dptrain.env", "dptrain._join", "dptrain.comm", "dptrain._diagnostics", "dptrain._regroup",
-      "dptrain._interrupt")),
+     ("dptrain.runtime.env", "dptrain.runtime.join", "dptrain.comm", "dptrain.runtime.diagnostics",
+      "dptrain.runtime.regroup", "dptrain.runtime.interrupt")),
     ("shared memory among a node's ranks", ("dptrain._shm",)),
     ("the parts a training program uses",
-     ("dptrain.data", "dptrain.checkpoint", "dptrain.models", "dptrain.seeding", "dptrain._tensors")),
+     ("dptrain.data", "dptrain.checkpoint", "dptrain.models", "dptrain.seeding", "dptrain.runtime.tensors")),
     ("data-parallel wrappers", ("dptrain.parallel",)),
     ("the Trainer", ("dptrain.train",)),
     ("starting, watching and stopping ranks (never imports torch)", ("dptrain.launcher",)),
-    ("the faces: public names, the command, former import paths",
-     ("dptrain", "dptrain.__main__", "dptrain.cli", "dptrain.envreport", "dptrain.trainer", "dptrain.launch")),
+    ("the faces: public names, the command", ("dptrain", "dptrain.__main__", "dptrain.cli", "dptrain.envreport")),
 ]
 
 #: Collectives whose handle leaves the function that issued it and is waited on through
@@ -145,7 +144,7 @@ def test_nothing_points_back_up():
 
 def test_import_dptrain_loads_no_launcher_module():
     code = ("import sys, dptrain\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('dptrain.launcher', 'dptrain.cli', 'dptrain.launch'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('dptrain.launcher', 'dptrain.cli'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -203,3 +202,12 @@ def test_long_modules_are_named():
     long = {name: n for name, path in _modules().items() if (n := sum(1 for _ in open(path))) > 650}
     if long:
         warnings.warn(f"modules past 650 lines (split by idea if they hold more than one): {long}", stacklevel=1)
+
+
+def test_the_package_root_holds_at_most_twelve_modules():
+    # A newcomer reads the root first: the faces and the parts a program uses, each subsystem
+    # a folder with one door. The life of a rank process lives in dptrain/runtime/.
+    root = sorted(n for n in os.listdir(PACKAGE) if n.endswith(".py"))
+    assert len(root) <= 12, f"dptrain/ holds {len(root)} modules (at most 12): {root}; put a subsystem in a folder"
+    for gone in ("launch.py", "trainer.py", "env.py", "_settings.py", "_errors.py"):
+        assert gone not in root, f"dptrain/{gone} came back; its code lives in a subpackage (docs/layout.md)"

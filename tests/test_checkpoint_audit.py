@@ -17,7 +17,8 @@ import textwrap
 import pytest
 import torch
 
-from dptrain import _proc, checkpoint, env
+from dptrain import checkpoint
+from dptrain.runtime import proc as _proc, env
 from dptrain.checkpoint import CheckpointError
 from dptrain.train import checkpointer as checkpointer_module
 from dptrain.train.checkpointer import Checkpointer

@@ -16,7 +16,8 @@ import warnings
 import pytest
 import torch
 
-from dptrain import _torch_version, checkpoint, env
+from dptrain import checkpoint
+from dptrain.runtime import torch_version as _torch_version, env
 from dptrain.checkpoint import CheckpointError
 from dptrain.train.checkpointer import Checkpointer
 from tests._dist import run_ranks

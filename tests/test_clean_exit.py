@@ -56,7 +56,7 @@ def test_a_gloo_worker_still_letting_go_of_a_collective_does_not_abort_the_exit(
     #
     # "shutdown" jobs end with dptrain.shutdown(): before torch 2.8, destroy_process_group held
     # the GIL while a gloo worker waited for it to drop a tensor, and 7 of 10 such jobs hung
-    # there on torch 2.4.1 before dptrain waited for the workers first (dptrain._exit).
+    # there on torch 2.4.1 before dptrain waited for the workers first (dptrain.runtime.exit).
     cpus = sorted(os.sched_getaffinity(0))[:2]
     bad = []
     for how in ("torch", "dptrain", "shutdown", "torch", "dptrain"):

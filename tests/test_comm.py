@@ -6,7 +6,7 @@ import torch
 import dptrain
 from dptrain import comm
 from dptrain.comm import CollectiveError
-from dptrain._diagnostics import CollectiveMismatchError
+from dptrain.runtime.diagnostics import CollectiveMismatchError
 from tests._dist import run_ranks, set_event, wait_event
 
 

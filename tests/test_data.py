@@ -537,7 +537,7 @@ def test_resume_into_the_same_loader_with_persistent_workers():
 
 @pytest.fixture
 def warn_afresh(monkeypatch):
-    monkeypatch.setattr(dptrain.env, "_WARNED", set())  # the warn-once memory of this process
+    monkeypatch.setattr(dptrain.runtime.env, "_WARNED", set())  # the warn-once memory of this process
 
 
 def _repeat_warnings(record):

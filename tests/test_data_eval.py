@@ -231,7 +231,7 @@ def _mpf_rank(rank, marker_dir, local, fail):
     world = dptrain.get_world()
     if local:
         # pretend to be 2 nodes of 2 ranks: leaders are ranks 0 and 2
-        from dptrain import env
+        from dptrain.runtime import env
 
         env._STATE.world = dataclasses.replace(world, local_rank=rank % 2, local_world_size=2, node_rank=rank // 2)
     node = rank // 2 if local else 0

@@ -205,7 +205,7 @@ class _Store:
 
 
 def test_the_launcher_lets_no_node_into_a_diloco_job_in_place_but_goes_on_without_one():
-    from dptrain._heartbeat import recovery_key
+    from dptrain.runtime.heartbeat import recovery_key
     from dptrain.launcher.inplace import InPlaceRecovery
 
     def blocker(value, growing):

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import dptrain
-from dptrain.env import World, expand_nodelist, world_from_environ
-from dptrain.launch import free_port
+from dptrain.runtime.env import World, expand_nodelist, world_from_environ
+from dptrain.launcher import free_port
 from tests._dist import run_ranks
 
 TORCHRUN = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
@@ -185,11 +185,12 @@ def test_init_from_slurm_environment_without_torchrun():
 def test_rank_0_of_a_slurm_job_across_nodes_says_its_store_is_open():
     # srun, one task per rank: rank 0 hosts torch's TCPStore, which nothing can guard (issue 31, point 12).
     across = World(rank=0, world_size=8, local_world_size=4, master_addr="gpu07", master_port=15042, source="slurm")
-    said = dptrain.env._open_store_warning(across)
+    said = dptrain.runtime.env._open_store_warning(across)
     assert "gpu07:15042" in said and "without --per-task" in said
     one_node = World(rank=0, world_size=4, local_world_size=4, master_addr="gpu07", master_port=1, source="slurm")
     torchrun = World(rank=0, world_size=8, local_world_size=4, master_addr="a", master_port=1, source="torchrun")
-    assert dptrain.env._open_store_warning(one_node) is None and dptrain.env._open_store_warning(torchrun) is None
+    warning = dptrain.runtime.env._open_store_warning
+    assert warning(one_node) is None and warning(torchrun) is None
 
 
 def _init_alone(extra: dict) -> subprocess.CompletedProcess:
@@ -222,7 +223,7 @@ def test_the_rank_hosting_the_store_leaves_init_after_every_peer_saw_it_complete
     import threading
     import time
 
-    from dptrain import _join
+    from dptrain.runtime import join as _join
 
     port = free_port()
     timeout = datetime.timedelta(seconds=30)

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from dptrain import _torch_version
+from dptrain.runtime import torch_version as _torch_version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

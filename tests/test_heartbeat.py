@@ -1,4 +1,4 @@
-"""How an exit is said (dptrain._heartbeat.describe_exit): a SIGKILL is named as a kill, and as a kill for
+"""How an exit is said (dptrain.runtime.heartbeat.describe_exit): a SIGKILL is named as a kill, and as a kill for
 want of memory only where the kernel recorded one (see [Note: a rank killed by SIGKILL])."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dptrain._heartbeat import OomRecord, describe_exit
+from dptrain.runtime.heartbeat import OomRecord, describe_exit
 
 # A cgroup's count as each version writes it (v2 memory.events, v1 memory.oom_control), with N for the count.
 FORMATS = {

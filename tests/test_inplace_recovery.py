@@ -216,7 +216,7 @@ def test_a_plain_loop_with_recoverable_loop_recovers_in_place_bitwise(tmp_path):
 def test_a_survivor_in_a_slow_forward_stops_it_at_once_when_its_launcher_signals_the_death(tmp_path, uninterrupted):
     # Rank 1 dies as step 3 starts while rank 0 computes that step's forward, 0.5 s per module (8 modules).
     # dptrain run's signal stops rank 0 before its next module (see [Note: stopping a step at once] in
-    # dptrain._interrupt), not after the forward and into the backward, where its first all-reduce would fail.
+    # dptrain.runtime.interrupt), not after the forward and into the backward, where its first all-reduce would fail.
     kills = ["1:0:forward:3"]
     log = _run(tmp_path / "out", 2, ";".join(kills), tmp_path / "ckpt", SLOW="0:3:0.5")
     _check(tmp_path / "out", log, uninterrupted[2], kills, tmp_path / "ckpt")

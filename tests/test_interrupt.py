@@ -1,5 +1,5 @@
 """A survivor stops its step when its launcher signals a peer's death (see [Note: stopping a step at
-once] in dptrain._interrupt): the signal only sets a flag; the flag is acted on at a module's forward
+once] in dptrain.runtime.interrupt): the signal only sets a flag; the flag is acted on at a module's forward
 or a gradient hook, only inside an armed step, and only when the store shows a newer generation.
 
 One process, no launcher: the tests send SIGURG to themselves and stand in for the launcher's
@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from dptrain import _interrupt, _regroup, env
-from dptrain._errors import CollectiveError
+from dptrain.runtime import interrupt as _interrupt, regroup as _regroup, env
+from dptrain.runtime.errors import CollectiveError
 
 
 @pytest.fixture

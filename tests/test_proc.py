@@ -1,4 +1,4 @@
-"""``dptrain._proc``: a process that the kernel is still ending counts as dead, and only such a one.
+"""``dptrain.runtime.proc``: a process that the kernel is still ending counts as dead, and only such a one.
 
 These run real child processes (no torch) and read their ``/proc`` entries; Linux only.
 """
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from dptrain import _proc
+from dptrain.runtime import proc as _proc
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
 

@@ -1,4 +1,4 @@
-"""Leaving a group that a silent peer broke (see [Note: a peer that goes silent] in dptrain._regroup).
+"""Leaving a group that a silent peer broke (see [Note: a peer that goes silent] in dptrain.runtime.regroup).
 
 A peer that stops answering without closing its connections (a node that hangs or drops off the
 network) would hold a survivor's gloo collective for the whole collective timeout. Under in-place
@@ -27,14 +27,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dptrain import _regroup
+from dptrain.runtime import regroup as _regroup
 from tests._dist import run_ranks, set_event, wait_event
 
 LOST = {"kind": "resize", "why": "node(s) 1 (rank(s) 1) stopped answering", "lost": [1], "rank": [1]}
 
 
 def _silent_peer(rank, events):
-    from dptrain import env
+    from dptrain.runtime import env
 
     dist.all_reduce(torch.ones(4))  # the group works
     if rank == 1:  # alive, connections open, but it never issues the next collective

@@ -1,4 +1,4 @@
-"""The DPTRAIN_* variables (dptrain._settings) and what dptrain run refuses before a rank starts
+"""The DPTRAIN_* variables (dptrain.runtime.settings) and what dptrain run refuses before a rank starts
 (dptrain.launcher.preflight): issue 31, point 8.
 
 A bad value is one line that names the variable -- from ``dptrain run`` with exit code 2
@@ -16,7 +16,7 @@ import types
 
 import pytest
 
-from dptrain import _settings
+from dptrain.runtime import settings as _settings
 from dptrain.cli import main
 from dptrain.launcher import preflight
 
@@ -30,7 +30,7 @@ ALWAYS_SET = [name for name, flag in preflight.SET_BY_FLAGS.items() if flag is N
 
 @pytest.fixture(autouse=True)
 def _own_excepthook(monkeypatch):
-    """A SettingError installs an exception hook (see dptrain._settings); keep it to each test."""
+    """A SettingError installs an exception hook (see dptrain.runtime.settings); keep it to each test."""
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     monkeypatch.setattr(_settings, "_previous_hook", None)
 
@@ -105,8 +105,8 @@ def test_every_variable_the_package_names_is_declared_and_read_only_through_sett
                 key = node.slice
             if isinstance(key, ast.Constant) and str(key.value).startswith("DPTRAIN_"):
                 reads.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} reads {key.value}")
-    assert not reads, f"read DPTRAIN_* variables through dptrain._settings.get: {reads}"
-    assert named - set(_settings.SETTINGS) == set(), "declare these in dptrain._settings.SETTINGS"
+    assert not reads, f"read DPTRAIN_* variables through dptrain.runtime.settings.get: {reads}"
+    assert named - set(_settings.SETTINGS) == set(), "declare these in dptrain.runtime.settings.SETTINGS"
 
 
 # -- dptrain run: refused before any rank starts, one line, exit code 2 --------------------------
@@ -146,7 +146,8 @@ def test_dptrain_run_and_a_rank_say_a_bad_value_in_one_line(script):
     assert "(also wrong: DPTRAIN_HEARTBEAT_S, DPTRAIN_WAIT_REPORT_S" in out.stderr
     assert not (script.parent / "ran").exists()
     # torchrun's environment, no dptrain run: every module imports; init says it in one line.
-    code = ("import dptrain, dptrain._join, dptrain.env, dptrain.train, dptrain.launcher.job, dptrain.launcher.relay\n"
+    code = ("import dptrain, dptrain.runtime.join, dptrain.runtime.env, dptrain.train, dptrain.launcher.job, "
+            "dptrain.launcher.relay\n"
             "print('imported', flush=True)\n"
             "dptrain.init()\n")
     torchrun = dict(bad, RANK="3", WORLD_SIZE="4", LOCAL_RANK="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")

@@ -54,7 +54,7 @@ def _sum_order(rank):
     gloo = xs[rank].clone()
     dist.all_reduce(gloo)
     # Mismatched calls (rank 1 passes a shorter tensor) fail on every rank, naming each call.
-    with pytest.raises(dptrain._diagnostics.CollectiveMismatchError) as info:
+    with pytest.raises(dptrain.runtime.diagnostics.CollectiveMismatchError) as info:
         g.all_reduce(in_place[:1000] if rank == 1 else in_place).wait()
     return (
         private,
@@ -259,7 +259,7 @@ def _peer_seen_dying(rank):
     import subprocess
     import sys
 
-    from dptrain import _proc
+    from dptrain.runtime import proc as _proc
 
     g = _shm.ShmGroup.create(None, 4096, what="test all-reduce")
     pids = [None, None]

@@ -115,7 +115,7 @@ def _real_samples(items):
 
 @pytest.fixture(autouse=True)
 def _fresh_warn_once(monkeypatch):
-    monkeypatch.setattr(dptrain.env, "_WARNED", set())  # the warn-once memory of this process
+    monkeypatch.setattr(dptrain.runtime.env, "_WARNED", set())  # the warn-once memory of this process
 
 
 # ---- one process -----------------------------------------------------------------------------

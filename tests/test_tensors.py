@@ -1,4 +1,4 @@
-"""Sending a nested state as one buffer (dptrain._tensors): what in-place recovery's state transfer
+"""Sending a nested state as one buffer (dptrain.runtime.tensors): what in-place recovery's state transfer
 relies on -- every tensor comes back bit for bit with its dtype, shape and place in the structure."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import collections
 
 import torch
 
-from dptrain import _tensors
+from dptrain.runtime import tensors as _tensors
 
 
 def _same(a, b) -> bool:

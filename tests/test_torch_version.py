@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dptrain import _torch_version
+from dptrain.runtime import torch_version as _torch_version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

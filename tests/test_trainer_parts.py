@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dptrain import checkpoint
-from dptrain.env import World
+from dptrain.runtime.env import World
 from dptrain.train import Checkpointer, EarlyStopping, TrainerConfig, TrainState
 from dptrain.train._parts import StatefulParts
 from dptrain.train.strategy import make_strategy

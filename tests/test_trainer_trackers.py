@@ -364,7 +364,7 @@ def test_file_trackers_drop_what_came_after_the_step_a_run_continues_from(tmp_pa
 
 
 def test_a_metrics_file_that_is_a_fifo_is_refused_at_once_instead_of_holding_rank_0(tmp_path):
-    from dptrain._settings import NotRegularFile
+    from dptrain.runtime.settings import NotRegularFile
 
     path = tmp_path / "metrics.csv"
     os.mkfifo(path)

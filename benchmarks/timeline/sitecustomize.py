@@ -21,12 +21,12 @@ import time
 
 #: module -> its functions, or {class: its methods}, to time.
 WATCHED = {
-    "dptrain.env": ["init", "_reform"],
-    "dptrain._exit": ["settle_before_destroy"],
-    "dptrain._interrupt": ["_on_signal", "check"],
+    "dptrain.runtime.env": ["init", "_reform"],
+    "dptrain.runtime.exit": ["settle_before_destroy"],
+    "dptrain.runtime.interrupt": ["_on_signal", "check"],
     "dptrain._shm.group": ["abort_all", "close_all"],
     "dptrain.comm": ["all_gather_object", "broadcast_object", "broadcast", "barrier"],
-    "dptrain._regroup": ["form", "wait_for_generation", "cut_connections"],
+    "dptrain.runtime.regroup": ["form", "wait_for_generation", "cut_connections"],
     "dptrain._shm.segment": ["open_segment", "_create", "_attach"],
     "dptrain.train.recovery": [{"InPlaceRecovery": ["recover", "join", "_exchange_and_restore", "_restore", "_let_go",
                                                         "_drop_step", "_pack_early", "commit", "prepare_step"]}],
@@ -35,7 +35,7 @@ WATCHED = {
     "dptrain.seeding": ["seed_everything"],
     "dptrain.data.loader": ["prepare_dataloader"],
     "dptrain.train._transfer": ["pack_state", "broadcast_state", "map_state_file"],
-    "dptrain._tensors": ["unpack"],
+    "dptrain.runtime.tensors": ["unpack"],
     "dptrain.parallel.ddp._recovery": ["rejoin", "adopt_reducer_layout"],
     "dptrain.parallel.ddp.setup": ["verify_same_model"],
     "dptrain.checkpoint": ["load_model_state"],

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dptrain import _regroup, env
+from dptrain.runtime import regroup as _regroup, env
 from dptrain._shm.segment import (
     _ALIGN,
     SEGMENT_PREFIX,
@@ -236,7 +236,7 @@ def abort_all(reason: str = "the process group was re-formed", wait_s: float = 5
 
 atexit.register(close_all)
 # The heartbeat thread abandons the groups over a process group that a silent node broke (see
-# [Note: a peer that goes silent] in dptrain._regroup); it does not wait for the workers.
+# [Note: a peer that goes silent] in dptrain.runtime.regroup); it does not wait for the workers.
 _regroup.on_leaving(lambda why: abort_all(why, wait_s=0.0))
 env.at_shutdown(close_all)  # dptrain.shutdown() too, before it destroys the process group
 

@@ -32,7 +32,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from dptrain import _settings, comm
+from dptrain import comm
+from dptrain.runtime import settings as _settings
 from dptrain._shm import group as _group
 from dptrain._shm.group import ShmGroup, region_for
 from dptrain._shm.segment import _local_obstacle, _node_identity, shm_disabled_by_env

@@ -50,7 +50,7 @@ still lives: each rank holds a POSIX record lock on one byte of the segment, whi
 kernel drops when the process dies, so a dead rank is noticed within a slice even across
 PID namespaces, and the error names it. Within one PID namespace a rank that the kernel is
 still ending (killed: its lock goes only tens of ms later) counts as dead already (see
-[Note: a process that is dying] in :mod:`dptrain._proc`). A POSIX lock is owned by the process, not
+[Note: a process that is dying] in :mod:`dptrain.runtime.proc`). A POSIX lock is owned by the process, not
 inherited by ``fork``, so a DataLoader worker does not keep a dead rank "alive".
 Counters are written with plain aligned 32-bit stores: on x86-64 (TSO) stores become
 visible in program order (glibc fences its non-temporal copies); elsewhere a system call
@@ -76,7 +76,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from dptrain import _diagnostics, _proc, _settings, comm, env
+from dptrain import comm
+from dptrain.runtime import diagnostics as _diagnostics, proc as _proc, settings as _settings, env
 
 __all__ = ["ShmPeerError", "open_segment", "shm_disabled_by_env", "SEGMENT_PREFIX", "make_ahead", "discard_ahead",
            "in_shared_memory", "memory_file"]
@@ -146,7 +147,7 @@ class ShmPeerError(RuntimeError):
     """A peer died or did not arrive in a shared-memory collective.
 
     Raised by :meth:`Work.wait`; callers re-raise it through
-    :func:`dptrain._diagnostics.explain_failure`, which adds this rank, the operation and
+    :func:`dptrain.runtime.diagnostics.explain_failure`, which adds this rank, the operation and
     what the heartbeats say about the missing rank, as for every other collective.
     """
 
@@ -237,7 +238,7 @@ class _Segment:
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EAGAIN):
                 # Rank j still holds its lock; a rank killed holds it until the kernel has ended it,
-                # tens of ms later, but in its PID namespace that shows at once (see dptrain._proc).
+                # tens of ms later, but in its PID namespace that shows at once (see dptrain.runtime.proc).
                 seen = self.processes[j]
                 return seen is None or _proc.dying(*seen) is None
             raise

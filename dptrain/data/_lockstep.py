@@ -35,7 +35,8 @@ from typing import Any, Iterator
 
 import torch
 
-from dptrain import comm, env
+from dptrain import comm
+from dptrain.runtime import env
 from dptrain.data import _readers
 
 __all__ = ["Pass", "ShadowBatch", "StreamIterator"]

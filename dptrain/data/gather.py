@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
-from dptrain import comm, env
+from dptrain import comm
+from dptrain.runtime import env
 
 __all__ = ["gather_results"]
 

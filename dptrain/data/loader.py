@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils.data
 
-from dptrain import comm, env
+from dptrain import comm
+from dptrain.runtime import env
 from dptrain.data._seeds import derive_seed as _derive_seed
 from dptrain.data.sampler import DistributedSampler
 from dptrain.data.stream import StreamLoader

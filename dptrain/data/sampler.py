@@ -89,7 +89,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.data
 
-from dptrain import env
+from dptrain.runtime import env
 from dptrain.data.order import (Segment, Shard, arranged_size, index_dtype, keyed_permutation, materialize,
                                 remainder, shard)
 

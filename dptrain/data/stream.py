@@ -56,7 +56,8 @@ from typing import Any, Callable
 import torch
 import torch.utils.data as tud
 
-from dptrain import comm, env
+from dptrain import comm
+from dptrain.runtime import env
 from dptrain.data import _readers
 from dptrain.data._lockstep import Pass, ShadowBatch, StreamIterator
 from dptrain.data._seeds import derive_seed

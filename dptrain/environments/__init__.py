@@ -7,7 +7,7 @@
 - :mod:`~dptrain.environments.single` -- no launcher: one process.
 
 :func:`detect` picks the first that applies, in that order, and returns the fields of
-:class:`dptrain.World`; ``dptrain.env`` builds the World from them. Nothing else in the
+:class:`dptrain.World`; ``dptrain.runtime.env`` builds the World from them. Nothing else in the
 package reads these variables.
 """
 

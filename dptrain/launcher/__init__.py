@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "LaunchConfig": "dptrain.launcher.job",
     "run_job": "dptrain.launcher.job",
-    "RankFailedError": "dptrain._errors",
+    "RankFailedError": "dptrain.runtime.errors",
     "rank_environ": "dptrain.launcher.workers",
     "free_port": "dptrain.launcher.rendezvous",
     "node_rank": "dptrain.launcher.rendezvous",
@@ -65,7 +65,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from dptrain._errors import RankFailedError
+    from dptrain.runtime.errors import RankFailedError
     from dptrain.launcher.job import LaunchConfig, run_job
     from dptrain.launcher.rendezvous import free_port, node_rank
     from dptrain.launcher.sbatch import render_sbatch

@@ -72,7 +72,7 @@ import stat
 import time
 from typing import Generator, Mapping
 
-from dptrain import _settings
+from dptrain.runtime import settings as _settings
 
 __all__ = ["AuthError", "AuthMismatch", "AuthClosed", "load_secret", "server", "client", "run_blocking", "MAGIC", "VERSION", "HANDSHAKE_S",
            "GENERATE"]
@@ -142,7 +142,7 @@ def load_secret(path: str | None = None, environ: Mapping[str, str] | None = Non
     path = os.path.expanduser(path)
     try:
         # Never blocking on a FIFO or a device, and refused unless a regular file: see [Note: opening
-        # a file dptrain did not make] in dptrain._settings. A link is followed: the user named this
+        # a file dptrain did not make] in dptrain.runtime.settings. A link is followed: the user named this
         # file, and a secret mounted by Kubernetes or kept in a vault's folder is reached through one.
         fd = _settings.open_regular(path)
     except _settings.NotRegularFile as exc:

@@ -3,7 +3,7 @@ fails is replaced by a new process, and the other ranks keep running.
 
 [Note: in-place recovery, the launcher's side]
 The ranks and their launchers talk through the job's store, under ``keys_prefix(attempt)``
-(see ``dptrain._heartbeat``), in ``recovery/``:
+(see ``dptrain.runtime.heartbeat``), in ``recovery/``:
 
 * ``capable/<rank>`` = "1" (or "cuda", by one that uses a GPU), written by a rank that can
   recover in place (the Trainer, as fit starts). A failure is recovered in place only when
@@ -18,7 +18,7 @@ The ranks and their launchers talk through the job's store, under ``keys_prefix(
 
 When a rank of this node exits with a code other than 0 (or is killed; seen as soon as it
 starts to exit, while the kernel still frees its memory: see [Note: a process that is dying]
-in ``dptrain._proc``; a rank that said it uses a GPU is waited for), restarts remain,
+in ``dptrain.runtime.proc``; a rank that said it uses a GPU is waited for), restarts remain,
 every rank said it is capable and none wrote ``fallback``, the launcher stops what is left of
 that rank (its DataLoader workers), takes a generation number, writes the generation, and
 starts the replacement with the rank's own environment (``RANK``, ``LOCAL_RANK``,
@@ -34,7 +34,7 @@ node counts the same.
 
 [Note: when a rank counts as stalled]
 A rank that stalls is ended and replaced like one that died: its heartbeat (see [Note:
-heartbeats] in ``dptrain._heartbeat``) stands still outside any collective -- or stops
+heartbeats] in ``dptrain.runtime.heartbeat``) stands still outside any collective -- or stops
 altogether, its ``t`` not written anew for ``FRESH_BEATS`` intervals (a process stopped by
 SIGSTOP or a debugger, or in a call that holds the GIL: its last heartbeat, written up to one
 interval before, may still say it waits in a collective it has left) -- for longer than
@@ -68,9 +68,9 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from dptrain import _settings
-from dptrain._heartbeat import STEP_STOP_SIGNAL, describe_exit, keys_prefix, recovery_key, where
-from dptrain._join import ranks_text
+from dptrain.runtime import settings as _settings
+from dptrain.runtime.heartbeat import STEP_STOP_SIGNAL, describe_exit, keys_prefix, recovery_key, where
+from dptrain.runtime.join import ranks_text
 from dptrain.launcher import store_values, template
 from dptrain.launcher.resize import ENTRY_WAIT_S, Nodes, start_beat
 from dptrain.launcher.spare import Spares
@@ -427,7 +427,7 @@ class InPlaceRecovery:
     def _stop_steps(self, failed: RankProcess) -> None:
         """Tell this node's ranks other than ``failed`` to stop the step they compute, which they would
         otherwise find out only at its next collective (see [Note: stopping a step at once] in
-        ``dptrain._interrupt``); the generation is announced by now."""
+        ``dptrain.runtime.interrupt``); the generation is announced by now."""
         for rank in self.job.ranks:
             if rank is not failed and getattr(rank.proc, "returncode", None) is None:  # not reaped: its pid is its own
                 with contextlib.suppress(OSError):
@@ -458,7 +458,7 @@ class InPlaceRecovery:
         """Stop what is left of ``failed`` (its process group: DataLoader workers) and return the
         traceback it left ("" if none); its error file is removed, so that the replacement's own
         failure is never reported with this one's traceback. The rank may still be ending (see
-        [Note: a process that is dying] in ``dptrain._proc``): it writes nothing more, and
+        [Note: a process that is dying] in ``dptrain.runtime.proc``): it writes nothing more, and
         ``_reap`` waits for it."""
         failed.send(signal.SIGKILL)
         # The file named when it started: a rank renumbered since (see ``resize``) still writes there.

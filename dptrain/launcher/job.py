@@ -21,9 +21,9 @@ import sys
 import uuid
 from typing import Callable
 
-from dptrain._heartbeat import EXITS_PUBLISHED, OomRecord, describe_exit, keys_prefix
-from dptrain import _settings
-from dptrain._join import ranks_text, wait_for_listener
+from dptrain.runtime.heartbeat import EXITS_PUBLISHED, OomRecord, describe_exit, keys_prefix
+from dptrain.runtime import settings as _settings
+from dptrain.runtime.join import ranks_text, wait_for_listener
 from dptrain.launcher.inplace import InPlaceRecovery, rank_settings
 from dptrain.launcher.janitor import Janitor
 from dptrain.launcher.membership import Elastic, Membership

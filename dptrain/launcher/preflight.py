@@ -1,7 +1,7 @@
 """What ``dptrain run`` refuses before it starts a rank: bad settings, and more ranks than can start.
 
 A ``DPTRAIN_*`` variable that holds a value it cannot take would fail every rank (see
-[Note: one place for the settings] in ``dptrain._settings``); it is refused here, once, in one line.
+[Note: one place for the settings] in ``dptrain.runtime.settings``); it is refused here, once, in one line.
 
 [Note: ranks this machine can start]
 Each rank is a process and, in ``dptrain run``, two threads of the launcher that relay its
@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from dptrain import _settings
+from dptrain.runtime import settings as _settings
 from dptrain.launcher.store import raise_open_files_limit
 from dptrain.launcher.store_values import MAX_NPROC_PER_NODE, MAX_WORLD_SIZE, PID_MAX_LIMIT
 

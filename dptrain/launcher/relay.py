@@ -31,7 +31,7 @@ import threading
 import time
 from typing import IO
 
-from dptrain import _settings
+from dptrain.runtime import settings as _settings
 
 _SPLIT = re.compile(rb"(\r|\n)")
 _MAX_LIVE = 16  # lines in progress shown at once on a terminal
@@ -43,10 +43,10 @@ def open_log(path: str) -> int:
     dptrain names this file itself, inside the user's folder, so a link there is refused rather
     than followed (what the rank prints would be appended to the file it points to), and a FIFO or
     a device is refused without waiting for a reader (see [Note: opening a file dptrain did not
-    make] in ``dptrain._settings``).
+    make] in ``dptrain.runtime.settings``).
 
     Raises:
-        dptrain._settings.NotRegularFile: ``path`` is a link, a FIFO, a directory, a device.
+        dptrain.runtime.settings.NotRegularFile: ``path`` is a link, a FIFO, a directory, a device.
         OSError: it cannot be made or written.
     """
     return _settings.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666, follow=False)

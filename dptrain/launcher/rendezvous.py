@@ -20,8 +20,8 @@ import socket
 import sys
 import time
 
-from dptrain._heartbeat import DEFAULT_TIMEOUT_S
-from dptrain._join import wait_for_listener
+from dptrain.runtime.heartbeat import DEFAULT_TIMEOUT_S
+from dptrain.runtime.join import wait_for_listener
 from dptrain.launcher.store import LISTEN_BACKLOG, StoreClient, StoreServer, use_python_store
 
 __all__ = ["RendezvousServer", "listen_on", "free_port", "loopback_ifname", "iface_towards", "exit_barrier", "node_rank",

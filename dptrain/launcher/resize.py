@@ -42,12 +42,12 @@ numbers; no rank is renumbered; ``joining`` names the new ranks), then
 ``launcher/elastic/<attempt>/admitted/<token>`` with the nodes and the generation. The
 launcher so admitted starts its ranks in that generation (``DPTRAIN_GENERATION``), as
 replacements: they build the script's model and Trainer and wait in the group's rendezvous
-(``dptrain._regroup.form``). The running ranks must meet them at a step boundary -- nothing
+(``dptrain.runtime.regroup.form``). The running ranks must meet them at a step boundary -- nothing
 fails to bring them there -- so every ``ADMIT_EVERY_STEPS`` optimizer steps (see
 ``dptrain.train.recovery``) and at each epoch end they check (``DPTRAIN_RECOVERY_ADMIT``, set
 for the ranks of an elastic job): rank 0 asks the store whether a newer generation is
 announced and all its newcomers have arrived
-(``dptrain._regroup.newcomers_ready``), and one all-reduce of that answer makes every rank
+(``dptrain.runtime.regroup.newcomers_ready``), and one all-reduce of that answer makes every rank
 take the same decision at the same step. Then they re-form the group and the newcomers get a
 live rank's state (see ``dptrain.train.recovery``). Waiting for the newcomers to arrive first
 keeps the running ranks from idling through their start. A newcomer that arrives after the
@@ -62,8 +62,8 @@ import threading
 import time
 from typing import Any
 
-from dptrain._heartbeat import recovery_key
-from dptrain._join import ranks_text
+from dptrain.runtime.heartbeat import recovery_key
+from dptrain.runtime.join import ranks_text
 from dptrain.launcher import store_values
 from dptrain.launcher.membership import PREFIX, admitted_key, max_arrivals, place, ranks_of
 from dptrain.launcher.rendezvous import failed_key

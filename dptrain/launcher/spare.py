@@ -58,7 +58,7 @@ __all__ = ["Spares", "main"]
 
 #: In a process that imported torch ahead (a spare, the warm template and its children): the
 #: OpenMP thread count its environment gave as torch was imported, ``(value or None,)``; None
-#: elsewhere. ``dptrain.init`` reads it (see ``dptrain.env._threads_as_if_fresh``).
+#: elsewhere. ``dptrain.init`` reads it (see ``dptrain.runtime.env._threads_as_if_fresh``).
 OMP_AT_IMPORT: tuple[str | None] | None = None
 
 

@@ -47,9 +47,9 @@ import traceback
 import types
 from typing import Any, Callable, Sequence
 
-from dptrain import _settings
-from dptrain._errors import RankFailedError
-from dptrain._heartbeat import OomRecord, describe_exit
+from dptrain.runtime import settings as _settings
+from dptrain.runtime.errors import RankFailedError
+from dptrain.runtime.heartbeat import OomRecord, describe_exit
 from dptrain.launcher.rendezvous import RendezvousServer, loopback_ifname, wait_s
 from dptrain.launcher.workers import rank_environ, stop_processes
 
@@ -67,10 +67,10 @@ def _spawn_entry(fn, rank, nprocs, port, args, conn, extra_env) -> None:
         )
     )
     os.environ.update(extra_env)
-    # Imported here, in the child only: dptrain.env imports torch, which no module of the
+    # Imported here, in the child only: dptrain.runtime.env imports torch, which no module of the
     # launcher may do at import (the caller's process never needs it). The child leaves with
     # os._exit, past atexit, so the job is left here.
-    from dptrain import env
+    from dptrain.runtime import env
 
     # Results travel as plain pickles (bytes): multiprocessing's own pickler would share tensors
     # through file descriptors that vanish when this process exits.

@@ -59,8 +59,8 @@ import struct
 import time
 from collections import deque
 
-from dptrain import _settings
-from dptrain import _torch_version as _torch_version_module
+from dptrain.runtime import settings as _settings
+from dptrain.runtime import torch_version as _torch_version_module
 from dptrain.launcher._loop import ACCEPT_RETRY_S, LISTEN_BACKLOG, SelectorLoop  # noqa: F401 - re-exported
 from dptrain.launcher.store_client import (ADD, APPEND, CANCEL_WAIT, CHECK, COMPARE_SET, DELETE_KEY, GET, MAGIC,
                                            MULTI_GET, MULTI_SET, NOT_READY, NUM_KEYS, PING, QUEUE_LEN, QUEUE_POP,

@@ -49,7 +49,7 @@ MAX_NPROC_PER_NODE = PID_MAX_LIMIT // 3
 #: is 2**20 -- ten times the largest jobs trained today.
 MAX_WORLD_SIZE = 1 << 20
 #: The most generations of in-place recovery: a generation reaches its ranks as DPTRAIN_GENERATION,
-#: which takes at most this (``dptrain._settings``).
+#: which takes at most this (``dptrain.runtime.settings``).
 MAX_GENERATION = 10**9
 #: A counter a rank keeps (collectives entered, steps): it grows by one, and 2**53 (a million a
 #: second for 285 years) is the largest whole number every JSON reader keeps exact.
@@ -160,7 +160,7 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def heartbeat(raw: bytes) -> dict:
-    """A rank's heartbeat (``hb/<rank>``, see [Note: heartbeats] in ``dptrain._heartbeat``):
+    """A rank's heartbeat (``hb/<rank>``, see [Note: heartbeats] in ``dptrain.runtime.heartbeat``):
     collectives entered (``seq``), the one it is in (``op``, "" outside any), the Trainer's
     steps (``ticks``), DDP's synced steps (``ddp_steps``, 0 if absent), the process that wrote
     it (``pid``, None if absent: a heartbeat left by a rank that was since replaced is not its

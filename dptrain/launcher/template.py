@@ -75,7 +75,7 @@ import sys
 import time
 from typing import Callable
 
-from dptrain import _proc
+from dptrain.runtime import proc as _proc
 from dptrain.launcher.spare import _last_line, _read_task, _warm_heap, _warm_up, command, run_task, spare_path0
 
 __all__ = ["Template", "ForkedProcess", "supported", "start", "main"]

@@ -2,12 +2,12 @@
 
 The launcher polls its ranks every ``POLL_S`` seconds and, once a second, reads the store:
 a failure another node's launcher reported (the key ``failed_key(attempt)``), and
-the ranks' heartbeats (see [Note: heartbeats] in :mod:`dptrain._heartbeat`). A running rank
+the ranks' heartbeats (see [Note: heartbeats] in :mod:`dptrain.runtime.heartbeat`). A running rank
 whose heartbeat stands still for ``DPTRAIN_STALL_REPORT_S`` seconds is reported as making no
 progress; ranks that exited 0 while others still run are reported once, with what the
 others are doing. Where a rank waits in a DDP step that another never entered, either report
 says the likely cause, unequal numbers of batches, and its fix (see [Note: unequal batches]
-in :mod:`dptrain._heartbeat`). Every exit is published in the store (see [Note: exits in the
+in :mod:`dptrain.runtime.heartbeat`). Every exit is published in the store (see [Note: exits in the
 store] in :mod:`dptrain.launcher.job`).
 """
 
@@ -18,8 +18,8 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from dptrain._heartbeat import key, keys_prefix, unequal_steps, where
-from dptrain._join import ranks_text
+from dptrain.runtime.heartbeat import key, keys_prefix, unequal_steps, where
+from dptrain.runtime.join import ranks_text
 from dptrain.launcher import store_values
 from dptrain.launcher.rendezvous import failed_key
 from dptrain.launcher.store_values import Warnings
@@ -75,7 +75,7 @@ class Watch:
     SIGUSR1s to pass on); ``log`` prints a launcher line; ``nnodes`` > 1 makes it look for
     failures of other nodes; ``warnings`` reports malformed values read from the store (default:
     one of its own, through ``log``); ``early``: a rank that the kernel is still ending counts as
-    exited already (in-place recovery; see [Note: a process that is dying] in :mod:`dptrain._proc`).
+    exited already (in-place recovery; see [Note: a process that is dying] in :mod:`dptrain.runtime.proc`).
     """
 
     def __init__(self, store: Any, attempt: int, ranks: Sequence[RankProcess], signals: Any,

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
-from dptrain import _proc, _settings, _torch_version
+from dptrain.runtime import proc as _proc, settings as _settings, torch_version as _torch_version
 from dptrain.environments import usable_cores
 from dptrain.launcher.janitor import parent_death_signal
 from dptrain.launcher.relay import Console, Relay, open_log
@@ -187,7 +187,7 @@ class RankProcess:
 
     def dying(self) -> int | None:
         """The exit status of a rank that the kernel is still ending (see [Note: a process that is
-        dying] in :mod:`dptrain._proc`), as :meth:`poll` will give it; None while it runs."""
+        dying] in :mod:`dptrain.runtime.proc`), as :meth:`poll` will give it; None while it runs."""
         return _proc.dying(self.proc.pid)
 
     def renumber(self, rank: int) -> None:

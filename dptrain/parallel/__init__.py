@@ -1,7 +1,7 @@
 """Data-parallel wrappers: DistributedDataParallel (with its reducer and comm hooks), FSDP, DataParallel,
 and DiLoCo (local steps, a rare outer sync across slow links)."""
 
-from dptrain._errors import ModelMismatchError
+from dptrain.runtime.errors import ModelMismatchError
 from dptrain.parallel import comm_hooks
 from dptrain.parallel.ddp import DDP, DistributedDataParallel
 from dptrain.parallel import diloco

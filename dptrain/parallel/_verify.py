@@ -14,7 +14,7 @@ from typing import Any, Collection, Sequence
 from torch import nn
 
 from dptrain import comm
-from dptrain._errors import ModelMismatchError
+from dptrain.runtime.errors import ModelMismatchError
 
 __all__ = ["verify_same_model", "describe_module", "first_mismatch"]
 

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from dptrain import _shm, comm, env
+from dptrain import _shm, comm
+from dptrain.runtime import env
 
 __all__ = ["ZeroRedundancyOptimizer"]
 

@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from dptrain import comm
-from dptrain.env import _warn_once_main
+from dptrain.runtime.env import _warn_once_main
 from dptrain.train.checkpointer import notice
 from dptrain.train.schedule import restore_scheduler
 
 if TYPE_CHECKING:
-    from dptrain.env import World
+    from dptrain.runtime.env import World
     from dptrain.train.callbacks import Callback
     from dptrain.train.checkpointer import Checkpointer
     from dptrain.train.config import TrainerConfig

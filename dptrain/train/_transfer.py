@@ -14,7 +14,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dptrain import _tensors, comm
+from dptrain import comm
+from dptrain.runtime import tensors as _tensors
 
 __all__ = ["STATE_FILE_PREFIX", "transfer_device", "pack_state", "map_state_file", "PackedEarly", "remove",
            "broadcast_state", "release_later"]
@@ -27,7 +28,7 @@ def transfer_device() -> torch.device:
 
 def pack_state(state: dict, directory: str | None = None, device: torch.device | None = None) -> tuple:
     """``state`` ready to send: itself, its structure with slots for its tensors, those tensors'
-    bytes in one buffer (see ``dptrain._tensors``; pickled whole, the weights and optimizer state
+    bytes in one buffer (see ``dptrain.runtime.tensors``; pickled whole, the weights and optimizer state
     took 5x as long to send), and the path of the file in ``directory`` that the buffer is
     (see [Note: the state through /dev/shm]), or None. ``device``: where it travels (default:
     :func:`transfer_device`, which asks the process group)."""
@@ -95,7 +96,7 @@ class PackedEarly:
     """The likely source's state packed on a thread while the replacement still starts.
 
     A survivor stops its step as soon as its launcher signals the failure (see [Note: stopping a
-    step at once] in :mod:`dptrain._interrupt`) and re-forms the group while the replacement
+    step at once] in :mod:`dptrain.runtime.interrupt`) and re-forms the group while the replacement
     starts; the replacement then runs its script up to the Trainer (data, model: 45 ms for the
     benchmark's job, seconds for a large one) while the survivor waits in the exchange. Packing
     the state and making the new reducer's shared memory (30-50 ms for a model of 14 MiB on a

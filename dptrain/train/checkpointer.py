@@ -87,7 +87,8 @@ import time
 from typing import Any, Mapping
 
 from dptrain import checkpoint as ckpt
-from dptrain import comm, env
+from dptrain import comm
+from dptrain.runtime import env
 from dptrain.train import _config_file, cli_config
 from dptrain.train._config_file import CONFIG_NAME
 from dptrain.train.report import on_every_rank

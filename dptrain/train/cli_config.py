@@ -337,7 +337,7 @@ def _prog() -> str:
 
 
 def _rank_zero() -> bool:
-    from dptrain import env
+    from dptrain.runtime import env
 
     try:
         return env.get_world().rank == 0

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dptrain import comm
-from dptrain._tensors import move_to_device
+from dptrain.runtime.tensors import move_to_device
 from dptrain.data import ShadowBatch, gather_results
 
 __all__ = ["split_batch", "forward", "forward_batch", "loss_of", "batch_size_of", "num_samples", "evaluate", "evaluate_steps"]

@@ -31,8 +31,8 @@ import sys
 import time
 from typing import Any, Mapping
 
-from dptrain import _settings
-from dptrain.env import _warn_once_main
+from dptrain.runtime import settings as _settings
+from dptrain.runtime.env import _warn_once_main
 from dptrain.train.trackers import TrackerGroup, make_trackers, status_of
 
 __all__ = ["TrainerLog", "format_metrics", "progress_mode"]

@@ -21,8 +21,8 @@ from typing import Any, Iterator
 
 import torch
 
-from dptrain import _interrupt
-from dptrain.env import get_world
+from dptrain.runtime import interrupt as _interrupt
+from dptrain.runtime.env import get_world
 from dptrain.train import _parts
 from dptrain.train.checkpointer import Checkpointer
 from dptrain.train.config import TrainerConfig

@@ -3,7 +3,7 @@
 [Note: in-place recovery]
 Under ``dptrain run --recovery in-place`` the launcher does not stop the job when a rank
 dies: it announces a new generation of the process group and starts a replacement for that
-rank (see [Note: generations] in :mod:`dptrain._regroup`). Here is what the ranks do so that
+rank (see [Note: generations] in :mod:`dptrain.runtime.regroup`). Here is what the ranks do so that
 the run ends bit for bit where an uninterrupted one would.
 
 *Commits.* After every optimizer step (and at the end of every epoch, and when ``fit``
@@ -53,8 +53,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dptrain import _heartbeat, _interrupt, _regroup, _settings, comm
-from dptrain._errors import CollectiveError
+from dptrain import comm
+from dptrain.runtime import (heartbeat as _heartbeat, interrupt as _interrupt, regroup as _regroup,
+    settings as _settings)
+from dptrain.runtime.errors import CollectiveError
 from dptrain.train import _transfer, resize, rollback
 
 __all__ = ["InPlaceRecovery", "in_place_requested", "is_replacement", "FALLBACK_EXIT"]
@@ -137,7 +139,7 @@ def _announcement_wait_s() -> float:
     still for the whole timeout and its launcher has seen that (a second or two more), and a lost
     node after several of its launcher's beats; a failure that no launcher recovers in place ends
     the job instead (the launcher stops every rank), so a longer wait never outlives the job."""
-    from dptrain import env
+    from dptrain.runtime import env
 
     return max(env._STATE.timeout.total_seconds(), _regroup.ARRIVAL_WAIT_S)
 
@@ -216,7 +218,7 @@ class InPlaceRecovery:
         # (Not DiLoCo's: a node let in would bring replicas with nothing to start from; see SHRINK_ONLY.)
         self.admitting = (self.resizable and _settings.get("DPTRAIN_RECOVERY_ADMIT")
                           and trainer.strategy.name != "diloco")
-        self._watching: list = []  # the model's hooks that stop a step at once (see dptrain._interrupt)
+        self._watching: list = []  # the model's hooks that stop a step at once (see dptrain.runtime.interrupt)
         # DiLoCo: replicas differ between syncs, so a failure rolls back to a round snapshot instead of
         # taking a live rank's state (see [Note: DiLoCo, recovered in place] in dptrain.train.rollback).
         self.rounds = rollback.RoundSnapshots(self) if self.active and trainer.strategy.name == "diloco" else None
@@ -290,7 +292,7 @@ class InPlaceRecovery:
 
     def _look_for_newcomers(self) -> None:
         """Rank 0 asks the store whether a node let in is ready; one all-reduce tells every rank."""
-        from dptrain import env
+        from dptrain.runtime import env
 
         ready = 0
         if self.trainer.rank == 0:
@@ -324,7 +326,7 @@ class InPlaceRecovery:
         if self.admitting and self.arrived:
             self.recover(_NodeArrived("a node let into the job is ready to join"))
         if self.trainer.rank == 0:
-            from dptrain import env
+            from dptrain.runtime import env
 
             with contextlib.suppress(Exception):
                 env._STATE.store.set(_regroup.FINISHED, "1")
@@ -340,7 +342,7 @@ class InPlaceRecovery:
         """At ``fit``'s start: tell the launcher whether a failure can be recovered in place."""
         if not self.requested:
             return
-        from dptrain import env
+        from dptrain.runtime import env
 
         trainer = self.trainer
         if self.active:
@@ -373,7 +375,7 @@ class InPlaceRecovery:
 
         Raises ``exc`` again when no recovery is announced within :func:`_announcement_wait_s`.
         """
-        from dptrain import env
+        from dptrain.runtime import env
 
         failed_at = time.time()
         _forget(exc)
@@ -387,14 +389,14 @@ class InPlaceRecovery:
 
     def join(self) -> None:
         """A replacement's side, at the end of the Trainer's construction: get the state from a live peer."""
-        from dptrain import env
+        from dptrain.runtime import env
 
         self._recover_at(env._STATE.generation, None, reform=False)  # init() formed the group already
 
     def _recover_at(self, generation: int, failed_at: float | None, reform: bool) -> None:
         """Form ``generation``'s group (unless formed) and restore from it; when a member dies during
         that, start over at the next generation the launcher announces."""
-        from dptrain import env
+        from dptrain.runtime import env
 
         while True:
             early = None
@@ -436,7 +438,7 @@ class InPlaceRecovery:
         if self.rounds is not None:
             self.rounds.diloco._drop_in_flight()  # DiLoCo's exchanges in flight hold it too
         # What else still holds the group (a work in a reference cycle) no longer matters to the
-        # peers: its connections are shut down before it is destroyed (see dptrain._regroup).
+        # peers: its connections are shut down before it is destroyed (see dptrain.runtime.regroup).
 
     def _drop_step(self) -> None:
         """Forget the step in flight: its gradients (some perhaps half-reduced) and a half-done unscale."""
@@ -479,7 +481,7 @@ class InPlaceRecovery:
         not replace in ``generation`` (the source is the lowest survivor at the newest commit, and the
         survivors' commits differ only when a failure came between a step's all-reduce finishing on some
         ranks and not on others). Only a guess, which decides whether to pack the state early."""
-        from dptrain import env
+        from dptrain.runtime import env
 
         said = _regroup.announcement(env._STATE.store, generation)
         gone = said.get("rank")
@@ -498,7 +500,7 @@ class InPlaceRecovery:
     def _newcomer(self) -> bool:
         """Whether this process started as a rank of a node let into the running job (see [Note: a node
         coming back] in dptrain.launcher.resize)."""
-        from dptrain import env
+        from dptrain.runtime import env
 
         said = _regroup.announcement(env._STATE.store, _settings.get("DPTRAIN_GENERATION"))
         return said.get("kind") == "resize" and bool(said.get("joining"))
@@ -536,7 +538,7 @@ class InPlaceRecovery:
 
     def _exchange_and_restore(self, generation: int, failed_at: float | None,
                               early: "_transfer.PackedEarly | None" = None) -> None:
-        from dptrain import env
+        from dptrain.runtime import env
 
         if self.rounds is not None:
             self.rounds.recover(generation, failed_at)
@@ -628,7 +630,7 @@ class InPlaceRecovery:
     def _say(self, generation: int, statuses: list[dict], shared: dict, source: int, transfer: tuple[str, float],
              resized_from: int | None) -> None:
         """The one line a recovery leaves in the log (rank 0); ``transfer``: how the state came, in how long."""
-        from dptrain import env
+        from dptrain.runtime import env
 
         said = _regroup.announcement(env._STATE.store, generation)
         progress = shared["train_state"]
@@ -666,7 +668,8 @@ class InPlaceRecovery:
 
     def _fall_back(self, why: str) -> None:
         """In-place recovery cannot be exact: have the launcher restart the whole job instead."""
-        from dptrain import _shm, env
+        from dptrain import _shm
+        from dptrain.runtime import env
 
         _shm.discard_ahead()  # os._exit below: nothing else would remove it before the launcher does
         message = f"in-place recovery is not possible: {why}; restarting the whole job from its newest checkpoint"

@@ -18,7 +18,7 @@ import sys
 import traceback
 from typing import Any
 
-from dptrain import _settings
+from dptrain.runtime import settings as _settings
 
 __all__ = ["install_excepthook", "on_every_rank"]
 
@@ -59,7 +59,7 @@ def _hook(etype: type, exc: BaseException, tb: Any) -> None:
     if _debugging() or not _is_user_error(exc):
         _previous_hook(etype, exc, tb)
         return
-    from dptrain.env import get_world
+    from dptrain.runtime.env import get_world
 
     rank = get_world().rank
     if getattr(exc, _EVERY_RANK, False) and rank != 0:

@@ -4,7 +4,7 @@
 When a whole node is lost and the job is elastic (``--nnodes MIN:MAX``), no replacement comes:
 the launcher announces a *resize* generation instead (see [Note: a node lost for good] in
 ``dptrain.launcher.resize``) and the survivors re-form the group at the smaller size, some of
-them under new rank numbers (``dptrain._regroup.world_at``). The recovery is the one of
+them under new rank numbers (``dptrain.runtime.regroup.world_at``). The recovery is the one of
 [Note: in-place recovery] in ``dptrain.train.recovery`` -- the most advanced survivor's commit,
 each rank's own snapshot -- plus a move to the new world: the Trainer's rank and world, its
 checkpointer's, the parts of a checkpoint (which gather per rank), and every loader's sampler.

@@ -163,7 +163,8 @@ class RoundSnapshots:
     # -- recovering -----------------------------------------------------------------------
     def recover(self, generation: int, failed_at: float | None) -> None:
         """Every member of ``generation``'s (formed) group: agree on the target, roll back to it, go on."""
-        from dptrain import comm, env
+        from dptrain import comm
+        from dptrain.runtime import env
         from dptrain.train import resize
 
         rec, t = self.recovery, self.trainer
@@ -229,7 +230,7 @@ class RoundSnapshots:
         """The one line a recovery leaves in the log (rank 0)."""
         import sys
 
-        from dptrain import _regroup, env
+        from dptrain.runtime import regroup as _regroup, env
 
         said = _regroup.announcement(env._STATE.store, generation)
         who = f"rank {said.get('rank', '?')}" + (f" (pid {said['pid']})" if said.get("pid") else "")

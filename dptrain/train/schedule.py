@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dptrain.env import _warn_once_main
+from dptrain.runtime.env import _warn_once_main
 
 __all__ = ["restore_scheduler", "WarmupDecay"]
 

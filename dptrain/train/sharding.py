@@ -25,7 +25,7 @@ from torch.utils import data as tud
 
 from dptrain import comm
 from dptrain.data import StreamLoader, prepare_dataloader, shard_stream_loader
-from dptrain.env import _warn_once_main
+from dptrain.runtime.env import _warn_once_main
 
 __all__ = ["check_equal_batches", "check_optimizer_params", "shard_train_loader"]
 
@@ -121,7 +121,7 @@ def check_equal_batches(num_batches: int, start: int, epoch: int, world: Any, de
     """Refuse, on every rank alike, an epoch in which the ranks would train different numbers of batches.
 
     One small all-gather per epoch. ``num_batches`` and ``start`` are this rank's batches in
-    the epoch and the batch it resumes at; ``world`` the :class:`dptrain.env.World`.
+    the epoch and the batch it resumes at; ``world`` the :class:`dptrain.runtime.env.World`.
 
     Raises:
         RuntimeError: the counts differ; names each rank's count and the fix.

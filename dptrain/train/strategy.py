@@ -26,7 +26,7 @@ from torch import nn
 
 from dptrain import checkpoint as ckpt
 from dptrain import comm
-from dptrain.env import _warn_once_main
+from dptrain.runtime.env import _warn_once_main
 
 __all__ = ["Strategy", "make_strategy"]
 

@@ -25,10 +25,12 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from dptrain import _heartbeat, _interrupt, _settings, comm
-from dptrain._tensors import move_to_device
+from dptrain import comm
+from dptrain.runtime import heartbeat as _heartbeat, interrupt as _interrupt, settings as _settings
+from dptrain.runtime.tensors import move_to_device
 from dptrain.data import ShadowBatch, prepare_dataloader
-from dptrain.env import World, _warn_once_main, device as _default_device, get_world, init, is_initialized, world_from_environ
+from dptrain.runtime.env import (World, _warn_once_main, device as _default_device, get_world, init, is_initialized,
+                                 world_from_environ)
 from dptrain.train import _parts, evaluation
 from dptrain.seeding import get_rng_state, set_rng_state
 from dptrain.train.evaluation import batch_size_of, forward, loss_of, num_samples, split_batch

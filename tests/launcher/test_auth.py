@@ -19,7 +19,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dptrain import _settings
+from dptrain.runtime import settings as _settings
 from dptrain.cli import main
 from dptrain.launcher import auth
 from dptrain.launcher.job import LaunchConfig

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from dptrain.launch import LaunchConfig
+from dptrain.launcher import LaunchConfig
 from tests.launcher.test_store import server  # noqa: F401 - the fixture: a store on a free port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,7 +73,7 @@ keys = f"dptrain/attempt{attempt}/dp/"
 store = StoreClient(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
 victim = plan.get("victim", 1)
 if gen:  # the process this one replaces, looked at first thing: still being ended by the kernel, or gone
-    from dptrain import _proc
+    from dptrain.runtime import proc as _proc
 
     OLD = json.loads(store.get(keys + f"recovery/generation/{gen}"))["pid"]
     OLD = {"dying": _proc.dying(OLD), "gone": not os.path.exists(f"/proc/{OLD}")}

@@ -16,8 +16,8 @@ import torch
 
 import dptrain
 import dptrain.comm
-import dptrain.launch
-from dptrain.launch import LaunchConfig, RankFailedError
+import dptrain.launcher
+from dptrain.launcher import LaunchConfig, RankFailedError
 from tests._dist import run_ranks, wait_event
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -226,7 +226,7 @@ def test_port_in_use_is_reported(tmp_path):
 
 
 def test_a_node_that_cannot_reach_node_0_says_what_it_waits_for(tmp_path):
-    port = dptrain.launch.free_port()
+    port = dptrain.launcher.free_port()
     out = dptrain_run("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                       "--timeout", "3", os.path.join(SCRIPTS, "dump_env.py"),
                       env={"DPTRAIN_WAIT_REPORT_S": "1", "TMPDIR": str(tmp_path)})
@@ -322,7 +322,7 @@ def _at_once(fifo, fn):
 
 
 def test_files_dptrain_did_not_make_are_opened_without_waiting_and_only_when_regular(tmp_path):
-    from dptrain._settings import NotRegularFile, open_regular
+    from dptrain.runtime.settings import NotRegularFile, open_regular
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

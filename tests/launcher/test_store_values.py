@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dptrain import _settings
-from dptrain._heartbeat import keys_prefix
+from dptrain.runtime import settings as _settings
+from dptrain.runtime.heartbeat import keys_prefix
 from dptrain.launcher import preflight, store_values
 from dptrain.launcher.membership import Elastic, Membership
 from dptrain.launcher.store import StoreClient

@@ -6,7 +6,7 @@ import json
 import time
 from types import SimpleNamespace
 
-from dptrain._heartbeat import keys_prefix
+from dptrain.runtime.heartbeat import keys_prefix
 from dptrain.launcher.watch import Watch
 
 GRADS = "DDP gradient all-reduce (bucket 0)"

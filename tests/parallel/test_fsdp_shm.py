@@ -42,7 +42,7 @@ def _primitives(rank):
         scatter(gloo, xs[rank].clone())
     results = (torch.equal(out, expected.chunk(n)[rank]), torch.equal(gathered, torch.cat(shards)),
                torch.equal(gloo, out) if n == 2 else None)
-    with pytest.raises(dptrain._diagnostics.CollectiveMismatchError) as info:
+    with pytest.raises(dptrain.runtime.diagnostics.CollectiveMismatchError) as info:
         k = 501 if rank == 1 else 500
         g.reduce_scatter_into(out[:k], xs[rank][: n * k]).wait()
     with pytest.raises(ValueError, match="do not split into"):

@@ -34,9 +34,10 @@ import torch.distributed as dist
 
 import dptrain
 import dptrain.parallel  # noqa: F401 - DDP's torch._dynamo (2 s of CPU), imported once here, not in each rank
-from dptrain import _heartbeat, comm, env
+from dptrain import comm
+from dptrain.runtime import heartbeat as _heartbeat, env
 from dptrain._shm import segment as _shm_segment
-from dptrain._heartbeat import describe_exit as _describe_exit
+from dptrain.runtime.heartbeat import describe_exit as _describe_exit
 from dptrain.launcher.rendezvous import free_port
 
 EXITS = ("shutdown", "nothing", "destroy", "sys_exit", "exception", "os_exit", "sigterm")

@@ -6,7 +6,7 @@ with the process group still held when the script ends (as a model or optimizer 
 ``dptrain``: the group comes from ``dptrain.init()`` and the script never calls shutdown.
 ``torch``: the group comes from ``init_process_group`` (PyTorch's style, in a script that
 imports dptrain). Either way the interpreter's exit must not abort (see [Note: a gloo worker
-at the interpreter's exit] in ``dptrain/_exit.py``). ``shutdown``: ``dptrain.init()``, and
+at the interpreter's exit] in ``dptrain/runtime/exit.py``). ``shutdown``: ``dptrain.init()``, and
 ``dptrain.shutdown()`` at the end, which must not hang (see [Note: older torch] there).
 """
 import sys

@@ -5,7 +5,7 @@ import time
 
 import torch.distributed as dist
 
-from dptrain import _heartbeat
+from dptrain.runtime import heartbeat as _heartbeat
 
 server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
 client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=datetime.timedelta(seconds=30))

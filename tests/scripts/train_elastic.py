@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import dptrain
-from dptrain import env
+from dptrain.runtime import env
 
 p = argparse.ArgumentParser()
 p.add_argument("--ckpt")

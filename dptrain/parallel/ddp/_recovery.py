@@ -96,7 +96,7 @@ def is_joining() -> bool:
         return True
     if _rejoined:
         return False
-    from dptrain import _settings
+    from dptrain.runtime import settings as _settings
 
     return _settings.get("DPTRAIN_RECOVERY") == "in-place" and bool(_settings.get("DPTRAIN_GENERATION"))
 

@@ -72,7 +72,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from dptrain import _heartbeat, _interrupt, comm
+from dptrain import comm
+from dptrain.runtime import heartbeat as _heartbeat, interrupt as _interrupt
 from dptrain._shm import ShmGroup
 from dptrain.parallel.ddp import _reducer_errors as errors
 from dptrain.parallel.ddp._buckets import (
@@ -416,7 +417,7 @@ class Reducer:
         # (see [Note: a bucket at a time]). The common case (a running backward of plain
         # settings, a dense gradient of its bucket's dtype, queued for the bucket's one copy)
         # is done here inline; anything else goes the general way.
-        if _PENDING[0]:  # the launcher said a peer died (see [Note: stopping a step at once] in dptrain._interrupt)
+        if _PENDING[0]:  # the launcher said a peer died (see [Note: stopping a step at once] in runtime.interrupt)
             _interrupt.check()
         if self.shm is not None and self.shm.broken is not None:
             self._fail_fast()

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _get_device_index
 
-from dptrain import env
+from dptrain.runtime import env
 from dptrain.comm import BROADCAST_BUCKET_BYTES, broadcast_coalesced  # noqa: F401 - DDP's broadcasts, as setup.*
-from dptrain._tensors import map_tensors
+from dptrain.runtime.tensors import map_tensors
 from dptrain.parallel import _verify
 
 __all__ = ["DDPSetupError", "output_device_index", "map_tensors"]
@@ -54,7 +54,7 @@ def resolve_group(process_group: Any, device_mesh: Any) -> Any:
 
     Raises:
         RuntimeError: no process group, but the launcher says the world is larger
-            (``dptrain.init()`` forgotten; see :func:`dptrain.env.check_joined`).
+            (``dptrain.init()`` forgotten; see :func:`dptrain.runtime.env.check_joined`).
     """
     if process_group is not None and device_mesh is not None:
         raise DDPSetupError(

@@ -50,7 +50,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from dptrain import _shm
-from dptrain._tensors import move_to_device
+from dptrain.runtime.tensors import move_to_device
 from dptrain.parallel import dp as _dp
 from dptrain.parallel.ddp import _recovery
 from dptrain.parallel.ddp import _setup as setup

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dptrain import comm, env
+from dptrain import comm
+from dptrain.runtime import env
 from dptrain.parallel.ddp import DistributedDataParallel
 from dptrain.parallel.diloco._exchange import Topology
 

@@ -26,7 +26,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from dptrain import comm, env
+from dptrain import comm
+from dptrain.runtime import env
 from dptrain.parallel.ddp import _recovery as ddp_recovery
 from dptrain.parallel.diloco import _codec, _fragments, _groups
 from dptrain.parallel.diloco._exchange import Exchange

@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from dptrain import env
+from dptrain.runtime import env
 from dptrain.parallel.fsdp._unit import FlatParamUnit
 
 __all__ = ["RootState", "install_optimizer_check"]

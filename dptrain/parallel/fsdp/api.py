@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain import comm, env
+from dptrain import comm
+from dptrain.runtime import env
 from dptrain.parallel._verify import verify_same_model
 from dptrain.parallel.fsdp import _state_dict
 from dptrain.parallel.fsdp._collectives import attach_shared_memory, wait

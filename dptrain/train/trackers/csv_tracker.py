@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any, Mapping
 
-from dptrain._settings import open_regular
+from dptrain.runtime.settings import open_regular
 from dptrain.train.trackers.base import Tracker, plain
 
 __all__ = ["CSVTracker"]

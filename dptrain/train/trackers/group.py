@@ -60,7 +60,7 @@ class _JobState:
         self._said = False
 
     def _store(self):
-        from dptrain import env
+        from dptrain.runtime import env
 
         # The job's store itself, with no attempt's prefix: see [Note: one run per job].
         return env._STATE.base_store if self.key else None

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from torch.nn.parallel.distributed import _MixedPrecision
 
 import dptrain
-from dptrain import _exit, env
+from dptrain.runtime import exit as _exit, env
 from dptrain.parallel import comm_hooks
 from dptrain.parallel.ddp import joining_job
 from tests._dist import run_ranks

@@ -10,7 +10,7 @@ import torch
 from torch.nn import functional as F
 
 import dptrain
-from dptrain._heartbeat import unequal_steps, where
+from dptrain.runtime.heartbeat import unequal_steps, where
 from dptrain.comm import CollectiveError
 from tests._dist import run_ranks, set_event, wait_event
 

@@ -34,7 +34,7 @@ import time
 import weakref
 from typing import Any
 
-from dptrain import _settings
+from dptrain.runtime import settings as _settings
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -59,7 +59,7 @@ __all__ = [
 DEFAULT_TIMEOUT_S: float = _settings.default("DPTRAIN_TIMEOUT")
 
 #: Sent by ``dptrain run`` to the other ranks of its node once it replaces a rank in place: they
-#: stop the step they are computing (see [Note: stopping a step at once] in ``dptrain._interrupt``).
+#: stop the step they are computing (see [Note: stopping a step at once] in ``dptrain.runtime.interrupt``).
 #: Ignored by default, so a process that does not handle it is unaffected.
 STEP_STOP_SIGNAL = signal.SIGURG
 

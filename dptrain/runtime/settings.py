@@ -337,7 +337,7 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o666, follow:
     Example:
         >>> open_regular("/dev/null")
         Traceback (most recent call last):
-        dptrain._settings.NotRegularFile: /dev/null is a character device, not a regular file
+        dptrain.runtime.settings.NotRegularFile: /dev/null is a character device, not a regular file
     """
     extra = _NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
     if not follow:

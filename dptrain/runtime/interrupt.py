@@ -9,7 +9,7 @@ on a large model seconds). All that compute was thrown away, it kept a core busy
 replacement needed to start, and the group could not be re-formed before it ended.
 
 The launcher sees the death within a few ms (see [Note: a process that is dying] in
-:mod:`dptrain._proc`). As soon as it has announced the new generation -- before it starts the
+:mod:`dptrain.runtime.proc`). As soon as it has announced the new generation -- before it starts the
 replacement, so that the survivors re-form the group while it starts -- it sends
 :data:`SIGNAL` (``SIGURG``) to the other ranks of its node. ``SIGURG`` is ignored by default,
 so a process that never installed a handler (not a Trainer, not yet started, a shell in
@@ -50,8 +50,8 @@ from typing import Any
 
 from torch import nn
 
-from dptrain import _heartbeat, _regroup
-from dptrain._errors import CollectiveError
+from dptrain.runtime import heartbeat as _heartbeat, regroup as _regroup
+from dptrain.runtime.errors import CollectiveError
 
 __all__ = ["SIGNAL", "PeerLost", "install", "installed", "arm", "disarm", "check", "watch_modules", "PENDING"]
 
@@ -116,7 +116,7 @@ def check() -> None:
     if not (PENDING[0] and _ARMED[0]):
         return
     PENDING[0] = False
-    from dptrain import env
+    from dptrain.runtime import env
 
     keys, current = env._STATE.store, env._STATE.generation
     if keys is None:

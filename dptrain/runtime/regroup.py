@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-from dptrain import _heartbeat
+from dptrain.runtime import heartbeat as _heartbeat
 
 __all__ = ["generation_key", "newest_generation", "failure_after", "wait_for_generation", "form", "world_at",
            "newcomers_ready", "JobFinished", "FINISHED", "announcement", "prefixed",
@@ -308,7 +308,7 @@ class _Arrivals:
 
 
 def world_at(keys: Any, world: Any, since: int, generation: int) -> Any:
-    """``world`` (a :class:`dptrain.env.World` of generation ``since``) as generation ``generation``
+    """``world`` (a :class:`dptrain.runtime.env.World` of generation ``since``) as generation ``generation``
     has it: a resize (the job going on without a node, see [Note: a node lost for good] in
     ``dptrain.launcher.resize``) renumbers the ranks and changes the world size. None when this
     rank is not in the job any more (its node was left out)."""

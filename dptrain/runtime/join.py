@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Callable, Protocol
 
-from dptrain import _settings
+from dptrain.runtime import settings as _settings
 
 
 def probe(addr: str, port: int, timeout_s: float = 2.0) -> str | None:

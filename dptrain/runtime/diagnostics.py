@@ -23,9 +23,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from dptrain import _heartbeat, _settings
-from dptrain._errors import CollectiveError, CollectiveMismatchError
-from dptrain._heartbeat import enter, leave, read_per_rank
+from dptrain.runtime import heartbeat as _heartbeat, settings as _settings
+from dptrain.runtime.errors import CollectiveError, CollectiveMismatchError
+from dptrain.runtime.heartbeat import enter, leave, read_per_rank
 
 __all__ = ["configure", "reset", "before_collective", "explain_failure", "debug_enabled", "CollectiveMismatchError"]
 
@@ -35,8 +35,8 @@ class _Job:
 
     store: Any = None
     timeout = datetime.timedelta(seconds=_heartbeat.DEFAULT_TIMEOUT_S)
-    generation = 0  # of the process group (see dptrain._regroup)
-    namespace = ""  # of this init's keys (see dptrain.env's [Note: init again in the same process])
+    generation = 0  # of the process group (see dptrain.runtime.regroup)
+    namespace = ""  # of this init's keys (see dptrain.runtime.env's [Note: init again in the same process])
 
 
 _JOB = _Job()
@@ -47,7 +47,7 @@ def configure(store: Any, timeout: datetime.timedelta, namespace: str = "") -> N
     """Called by ``dptrain.init``: where dptrain's keys live, and how long a collective may wait.
 
     ``namespace`` sets the collectives of a second init of the process apart from the first's
-    (see [Note: init again in the same process] in :mod:`dptrain.env`)."""
+    (see [Note: init again in the same process] in :mod:`dptrain.runtime.env`)."""
     _JOB.store, _JOB.timeout, _JOB.namespace = store, timeout, namespace
 
 

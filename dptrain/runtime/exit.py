@@ -16,7 +16,7 @@ So before the interpreter finalizes (``atexit`` runs first), :func:`settle_gloo_
 waits with the GIL released until every gloo worker thread sleeps and has not run for a few
 milliseconds: idle, waiting for work (a thread that wanted the GIL got it while we slept).
 It is registered when this module loads, which every module that runs collectives does
-(``dptrain.comm``, ``dptrain.env``), so a script that makes its own group and never calls
+(``dptrain.comm``, ``dptrain.runtime.env``), so a script that makes its own group and never calls
 ``dptrain.shutdown`` is covered too. Registered before ``init`` registers
 ``dptrain.shutdown``, it runs after it (``atexit`` runs the last registered first), once the
 group is destroyed. It reads ``/proc`` (Linux); elsewhere it returns at once. No torch here:
@@ -40,7 +40,7 @@ import os
 import threading
 import time
 
-from dptrain import _torch_version
+from dptrain.runtime import torch_version as _torch_version
 
 __all__ = ["settle_gloo_workers", "settle_before_destroy", "SETTLE_LIMIT_S"]
 

@@ -27,9 +27,11 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from dptrain import _diagnostics, _heartbeat, _join, _regroup, _settings, environments
-from dptrain import _exit  # also registers the wait for gloo's workers at exit (see dptrain._exit)
-from dptrain._heartbeat import DEFAULT_TIMEOUT_S
+from dptrain import environments
+from dptrain.runtime import (diagnostics as _diagnostics, heartbeat as _heartbeat, join as _join, regroup as _regroup,
+    settings as _settings)
+from dptrain.runtime import exit as _exit  # also registers the wait for gloo's workers at exit (see its note)
+from dptrain.runtime.heartbeat import DEFAULT_TIMEOUT_S
 from dptrain.environments import expand_nodelist
 
 __all__ = [
@@ -138,7 +140,7 @@ class _State:
     timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
     owns_group: bool = False
     base_store: dist.Store | None = None  # the job's store itself, unprefixed (in-place recovery re-forms groups on it)
-    generation: int = 0  # the process group's generation: see dptrain._regroup
+    generation: int = 0  # the process group's generation: see dptrain.runtime.regroup
 
 
 _STATE = _State()
@@ -202,7 +204,7 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
     generation = _settings.get("DPTRAIN_GENERATION")
     if generation:
         # A replacement started by in-place recovery: the other ranks are not in init() but
-        # re-forming the group of that generation (see dptrain._regroup).
+        # re-forming the group of that generation (see dptrain.runtime.regroup).
         base = _make_store(world, td)
         keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART)
         _STATE.base_store = base
@@ -250,7 +252,7 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
 # group (ports long closed: "Gloo connectFullMesh failed ... Connection refused", or a wait
 # until the timeout), and the ``ready`` count was already complete. So the n-th init of a
 # process (n >= 1) makes its group and its join keys under "init<n>" (as a generation's group is
-# made under "pg/gen<g>", see dptrain._regroup.form); every rank of a job calls init the same
+# made under "pg/gen<g>", see dptrain.runtime.regroup.form); every rank of a job calls init the same
 # number of times, so the n-th inits of all ranks meet there. The first init keeps the plain
 # layout, which the launcher and the in-place recovery's generations share.
 _INITS = [0]  # inits that completed in this process
@@ -320,7 +322,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
 
     Raises:
         ValueError: a launcher variable is missing or malformed, a ``DPTRAIN_*`` variable holds a
-            value it cannot take (see :mod:`dptrain._settings`), or ``backend`` is unknown.
+            value it cannot take (see :mod:`dptrain.runtime.settings`), or ``backend`` is unknown.
         RuntimeError: the job could not be joined within the timeout; the message names
             the rank, the address and the ranks that never arrived.
 
@@ -387,7 +389,7 @@ def _in_place() -> bool:
 
 def _start_heartbeat(rank: int) -> None:
     """The rank's heartbeat; under in-place recovery it also leaves a group that a silent node broke
-    (see [Note: a peer that goes silent] in :mod:`dptrain._regroup`)."""
+    (see [Note: a peer that goes silent] in :mod:`dptrain.runtime.regroup`)."""
     keys = _STATE.store
     also = (lambda: _regroup.leave_if_broken(keys, _STATE.generation)) if _in_place() else None
     _heartbeat.start(keys, rank, also=also)
@@ -397,7 +399,7 @@ def _reform(generation: int) -> int:
     """In-place recovery, a survivor's side: leave the broken process group, form ``generation``'s.
 
     Returns the generation formed (a newer one when it was announced meanwhile; see [Note:
-    generations] in :mod:`dptrain._regroup`). Collectives count from 0 again, as the
+    generations] in :mod:`dptrain.runtime.regroup`). Collectives count from 0 again, as the
     replacement's do, so the launcher and the debug cross-check compare like with like.
     """
     for release in list(_AT_SHUTDOWN):  # the shared-memory groups over the broken group
@@ -462,7 +464,7 @@ def shutdown() -> None:
     for release in list(_AT_SHUTDOWN):
         release()
     if _STATE.owns_group and dist.is_initialized():
-        _exit.settle_before_destroy()  # torch < 2.8 could hang here otherwise (see dptrain._exit)
+        _exit.settle_before_destroy()  # torch < 2.8 could hang here otherwise (see dptrain.runtime.exit)
         dist.destroy_process_group()
     _STATE.world = None
     _STATE.backend = None
