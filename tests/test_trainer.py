@@ -17,7 +17,7 @@ import dptrain
 from dptrain import checkpoint
 from dptrain.data import prepare_dataloader
 from dptrain.parallel.fsdp import ParamCountPolicy
-from dptrain.trainer import Trainer, TrainerConfig
+from dptrain.train import Trainer, TrainerConfig
 from tests._dist import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
