@@ -12,3 +12,12 @@ def pytest_report_header(config):
     from tests.test_fault_tolerance import POINTS, SEED
 
     return f"kill points (DPTRAIN_KILL_SEED={SEED}): " + ", ".join(f"rank {r} at batch {b}" for r, b in POINTS)
+
+
+def pytest_configure(config):
+    # DPTRAIN_TEST_TIMING=<path>: per-file wall and CPU time of the run (tests/_timing.py).
+    path = os.environ.get("DPTRAIN_TEST_TIMING")
+    if path:
+        from tests._timing import TimingPlugin
+
+        config.pluginmanager.register(TimingPlugin(path), "dptrain-timing")
