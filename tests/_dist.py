@@ -30,8 +30,8 @@ A new test needs nothing more than a module-level ``fn``::
         assert run_ranks(_work, 2, 3) == [[1.0] * 3] * 2
 
 ``DPTRAIN_TEST_POOL=0`` turns the pool off for a run (every call fresh), to tell whether a
-failure has to do with the pool; ``DPTRAIN_TEST_POOL_LOG=1`` says on stderr why a world was
-discarded.
+failure has to do with the pool; ``DPTRAIN_TEST_POOL_LOG=<file>`` appends there why each
+discarded world was discarded.
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ more CPU than many test bodies do. :func:`tests._dist.run_ranks` therefore sends
 
 What a test still gets, as with fresh ranks:
 
-* **A process group of its own.** Each body runs between ``dptrain.init`` and
-  ``dptrain.shutdown`` (``init`` joins the job anew after a ``shutdown``, on fresh keys of the
-  same store), with ``torch.manual_seed(0)`` and its thread count set first.
+* **A process group and a store of its own.** Each body runs between ``dptrain.init`` and
+  ``dptrain.shutdown``, with ``torch.manual_seed(0)`` and its thread count set first. Its
+  store is new (the harness hosts one per call, as ``dptrain.spawn`` does) and the ranks'
+  count of earlier inits is set back to 0, so the keys a body sees are laid out as in a
+  fresh process, and no key an earlier body left (a heartbeat, a "left" note) is there.
 * **The same failures.** A rank that raises, dies or hangs past the timeout gives the
   ``RankFailedError`` or ``TimeoutError`` that :func:`dptrain.spawn` gives (the same
   watcher reads the ranks), and the world is discarded: the next test gets a new one.
@@ -25,7 +27,8 @@ What a test still gets, as with fresh ranks:
 A world is kept per (number of ranks, extra environment, threads): the environment is read
 by ``init``, so two tests with different ``env=`` never share ranks. At most
 ``MAX_RANKS_ALIVE`` ranks are kept (the least recently used world goes first).
-``DPTRAIN_TEST_POOL=0`` turns the pool off: every call starts fresh ranks.
+``DPTRAIN_TEST_POOL=0`` turns the pool off: every call starts fresh ranks;
+``DPTRAIN_TEST_POOL_LOG=<file>`` appends a line there for every world discarded, saying why.
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ def _what_changed(before: dict, after: dict) -> str | None:
 
 
 def _pool_rank(rank, nprocs, port, conn, extra_env, backend, threads) -> None:
-    """A pooled rank: join the store's job once, then run bodies until told to stop."""
+    """A pooled rank: join a job once (``port``: its store), then run bodies until told to stop."""
     from dptrain.launcher.workers import rank_environ
 
     os.environ.update(rank_environ(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs,
@@ -149,7 +152,9 @@ def _pool_rank(rank, nprocs, port, conn, extra_env, backend, threads) -> None:
         except (EOFError, OSError):
             os._exit(0)  # the harness has gone
         try:
-            fn, args = pickle.loads(task)  # imports the test module the first time
+            port, fn, args = pickle.loads(task)  # imports the test module the first time
+            os.environ["MASTER_PORT"] = str(port)  # this call's own store
+            env._INITS[0] = 0  # so its keys are laid out as a fresh process lays them out
             before = _snapshot()
             children_before = set(_children())
             torch.manual_seed(0)
@@ -221,10 +226,17 @@ class World:
         from dptrain._heartbeat import OomRecord
         from dptrain.launcher.spawn import _watch_spawned
 
-        task = pickle.dumps((fn, tuple(args)))
-        for conn in self.conns:
-            conn.send_bytes(task)
-        replies = _watch_spawned(self.procs, self.conns, timeout, OomRecord())
+        from dptrain.launcher.rendezvous import RendezvousServer, wait_s
+
+        server = RendezvousServer("127.0.0.1", 0, self.nprocs, timeout_s=wait_s(timeout))
+        server.serve()
+        try:
+            task = pickle.dumps((server.port, fn, tuple(args)))
+            for conn in self.conns:
+                conn.send_bytes(task)
+            replies = _watch_spawned(self.procs, self.conns, timeout, OomRecord())
+        finally:
+            server.close()
         dirty = next((d for _, d in replies if d is not None), None)
         return [r for r, _ in replies], dirty
 
@@ -275,8 +287,10 @@ class Pool:
     def _discard(self, world: World, why: str) -> None:
         self.discarded += 1
         self.last_discard = why
-        if os.environ.get("DPTRAIN_TEST_POOL_LOG"):
-            print(f"[pool] world of {world.nprocs} discarded: {why}", file=sys.stderr, flush=True)
+        log = os.environ.get("DPTRAIN_TEST_POOL_LOG")
+        if log:
+            with open(log, "a") as f:
+                f.write(f"world of {world.nprocs} discarded: {why}\n")
         world.close()
 
     def close(self) -> None:
