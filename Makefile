@@ -11,7 +11,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test check venv clean bench
 
 $(VENV)/.installed: pyproject.toml tools/make_venv.py
 	$(PYTHON) tools/make_venv.py --venv "$(VENV)" --torch "$(TORCH_PIN)"
@@ -30,8 +30,18 @@ demo: venv
 	@echo "    dptrain run --nproc-per-node 2 examples/six_steps.py"
 	@echo "(or call $(VENV)/bin/dptrain and $(VENV)/bin/python directly; README.md, Quick start)"
 
+# The whole suite, what CI runs. With pytest-xdist (a test dependency) the tests run on JOBS
+# workers (default: one per CPU); tests/conftest.py keeps the ones that must not overlap on one
+# worker. Without xdist they run one after another. `make check` is the inner loop's subset
+# (CONTRIBUTING.md).
+JOBS ?= auto
+XDIST = $(shell $(PY) -c "import xdist" >/dev/null 2>&1 && echo "-n $(JOBS) --dist loadgroup")
+
 test: venv
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(XDIST) tests
+
+check: venv
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) -m "not slow" tests
 
 bench: venv
 	$(PY) benchmarks/ddp_step.py

@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 # Tests import helpers as `tests._dist`; ranks started by the harness need the same path.
@@ -12,3 +13,54 @@ def pytest_report_header(config):
     from tests.test_fault_tolerance import POINTS, SEED
 
     return f"kill points (DPTRAIN_KILL_SEED={SEED}): " + ", ".join(f"rank {r} at batch {b}" for r, b in POINTS)
+
+
+# Under pytest-xdist (`make test` runs `-n auto --dist loadgroup` where it is installed) the tests
+# of these files run one after another on one worker, beside the other tests but never beside
+# each other: they use fixed ports (29xxx) or network namespaces with fixed addresses, look at
+# /dev/shm as a whole, or are races that need a CPU to themselves to show (test_clean_exit).
+SERIAL = {
+    "tests/test_clean_exit.py", "tests/test_netlink.py", "tests/test_shm_nodes.py", "tests/test_inplace_recovery.py",
+    "tests/launcher/test_auth.py", "tests/launcher/test_multinode.py", "tests/launcher/test_membership.py",
+    "tests/launcher/test_inplace_resize.py", "tests/launcher/test_elastic.py",
+    "tests/launcher/test_inplace_launcher.py", "tests/launcher/test_launch_lifecycle.py",
+}
+
+
+# `make check` (-m "not slow"), the inner loop's subset, leaves these files out: each of their
+# tests starts jobs of fresh interpreters (dptrain run, torchrun, a script, a kernel, a venv),
+# kills ranks or nodes, or waits on purpose; together they are most of the suite's time. A test
+# elsewhere can say the same with @pytest.mark.slow.
+SLOW = SERIAL | {
+    "tests/test_examples.py", "tests/test_readme.py", "tests/test_docs.py", "tests/test_setup.py",
+    "tests/test_fault_tolerance.py", "tests/test_trainer_kills.py", "tests/test_preemption.py",
+    "tests/test_interrupt.py", "tests/test_trainer_trackers.py", "tests/test_trainer_stream.py",
+    "tests/test_cuda_present.py", "tests/test_profile.py", "tests/parallel/ddp/test_ddp_compile.py",
+    "tests/parallel/ddp/test_ddp_script.py", "tests/launcher/test_launch.py", "tests/launcher/test_rank_logs.py",
+    "tests/launcher/test_relay.py", "tests/launcher/test_spare_memory.py", "tests/launcher/test_spawn_notebook.py",
+    "tests/launcher/test_template.py", "tests/launcher/test_watch.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if path in SERIAL:
+            item.add_marker(pytest.mark.xdist_group("serial"))
+        if path in SLOW:
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # An xdist worker ignores SIGINT (its controller handles ^C); a process a test forks or
+        # starts from it would inherit that, and the tests that interrupt a job need the default.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    # DPTRAIN_TEST_TIMING=<path>: per-file wall and CPU time of the run (tests/_timing.py).
+    path = os.environ.get("DPTRAIN_TEST_TIMING")
+    if path:
+        from tests._timing import TimingPlugin
+
+        config.pluginmanager.register(TimingPlugin(path), "dptrain-timing")

@@ -14,6 +14,10 @@ from dptrain.parallel.fsdp import ParamCountPolicy
 from dptrain.train import Trainer, TrainerConfig
 from tests._dist import run_ranks
 
+# Fresh ranks for every call (tests/_dist.py): a rank's memory is measured: memory an earlier body
+# freed would hide what this one allocates.
+FRESH_RANKS = True
+
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 

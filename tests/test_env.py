@@ -15,6 +15,10 @@ from dptrain.runtime.env import World, expand_nodelist, world_from_environ
 from dptrain.launcher import free_port
 from tests._dist import run_ranks
 
+# Fresh ranks for every call (tests/_dist.py): init is what is tested here: the first join of a
+# fresh process.
+FRESH_RANKS = True
+
 TORCHRUN = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500", "GROUP_RANK": "1"}
 

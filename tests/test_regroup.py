@@ -30,6 +30,10 @@ import torch.distributed as dist
 from dptrain.runtime import regroup as _regroup
 from tests._dist import run_ranks, set_event, wait_event
 
+# Fresh ranks for every call (tests/_dist.py): a rank's process is killed and its group re-formed: a
+# world of its own.
+FRESH_RANKS = True
+
 LOST = {"kind": "resize", "why": "node(s) 1 (rank(s) 1) stopped answering", "lost": [1], "rank": [1]}
 
 

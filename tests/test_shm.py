@@ -32,6 +32,10 @@ from dptrain.launcher.workers import rank_environ
 from tests import _dist
 from tests._dist import run_ranks
 
+# Fresh ranks for every call (tests/_dist.py): peers die, are killed or left unreaped here: what is
+# tested is the process, not only the body.
+FRESH_RANKS = True
+
 ON = {"DPTRAIN_SHM": "1"}  # these tests are about shared memory, also in a DPTRAIN_SHM=0 run of the suite
 
 

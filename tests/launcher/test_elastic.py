@@ -25,7 +25,8 @@ SAMPLES = 240
 def _launch(ns, node_rank, port, ckpt, seen):
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dptrain", "run", "--nnodes", "1:2", "--node-rank",
            str(node_rank), "--nproc-per-node", "1", "--master-addr", ADDR[0], "--master-port", str(port),
-           "--max-restarts", "1", "--join-timeout", "3", "--timeout", "30", SCRIPT, "--ckpt", ckpt, "--seen", seen]
+           "--max-restarts", "1", "--join-timeout", "3", "--timeout", "30", SCRIPT, "--ckpt", ckpt, "--seen", seen,
+           "--sleep-until", "1"]  # the restart on node 0 alone needs no time to be interrupted in
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env["PYTHONPATH"] = ROOT
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)

@@ -20,6 +20,10 @@ import dptrain.launcher
 from dptrain.launcher import LaunchConfig, RankFailedError
 from tests._dist import run_ranks, wait_event
 
+# Fresh ranks for every call (tests/_dist.py): these tests are about dptrain.spawn itself (how it
+# starts, stops and reports ranks), and one waits for a rank's process to exit.
+FRESH_RANKS = True
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 

@@ -12,8 +12,10 @@ so for each step only the lines of its newest generation count; each rank also p
 when it starts, and its pid, rank and a digest of its weights when it finishes. Without
 ``--ckpt`` there is no checkpoint directory: whatever state a rank recovers comes from a live
 peer. A short sleep per step leaves the test time to take a node away in the middle of the
-first epoch. ``--diloco H`` trains with ``strategy="diloco"`` (every rank a replica, an outer
-sync every H steps) instead of DDP.
+first epoch; with ``--sleep-until N`` the steps stop sleeping once the job has been restarted or
+re-formed N times (restarts plus in-place generations), where nothing is left to wait for.
+``--diloco H`` trains with ``strategy="diloco"`` (every rank a replica, an outer sync every H
+steps) instead of DDP.
 """
 import argparse
 import hashlib
@@ -32,6 +34,7 @@ p.add_argument("--seen", required=True)
 p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--samples", type=int, default=240)
 p.add_argument("--sleep", type=float, default=0.1)
+p.add_argument("--sleep-until", type=int, default=None)
 p.add_argument("--per-process", action="store_true")
 p.add_argument("--diloco", type=int, default=0, help="train with strategy='diloco', sync_every this (0: DDP)")
 args = p.parse_args()
@@ -57,7 +60,8 @@ def loss_fn(out, index):
     else:
         log.write(f"{trainer.epoch} {trainer.global_step} {indices}\n")
     log.flush()
-    time.sleep(args.sleep)
+    if args.sleep_until is None or world.restart_count + env._STATE.generation < args.sleep_until:
+        time.sleep(args.sleep)
     return nn.functional.mse_loss(out, y[index])
 
 
