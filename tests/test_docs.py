@@ -4,8 +4,9 @@ The convention, for whoever writes the guides:
 
 - A block fenced ```python is a complete script: it defines every name it uses and
   runs on the CPU, alone, in a few seconds. The test writes it to ``block.py`` in an empty
-  directory and runs ``python block.py`` there with ``PYTHONPATH`` at the checkout and
-  ``OMP_NUM_THREADS=1``, outside any launcher or Slurm job: a block meant for several ranks
+  directory and runs it there as ``python block.py`` would, with ``PYTHONPATH`` at the
+  checkout and ``OMP_NUM_THREADS=1``, outside any launcher or Slurm job (in a child forked
+  from a parent that imported torch and dptrain already, see tests/_warm.py): a block meant for several ranks
   (``dptrain.init()``, DDP, FSDP) runs as a world of one. Keep such blocks tiny (a few steps,
   small tensors); they all share the suite's time.
 - A Python block that cannot run here (it needs several nodes, a GPU with no CPU fallback, a
@@ -25,12 +26,15 @@ from __future__ import annotations
 import concurrent.futures
 import glob
 import os
+import queue
 import re
 import subprocess
 import sys
 from typing import NamedTuple
 
 import pytest
+
+from tests._warm import WarmRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
@@ -104,16 +108,29 @@ def _clean_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 
-def _run(block: Block, where: str) -> subprocess.CompletedProcess:
+#: What the warm parents import once: the interpreter's start and these imports (torch's, DDP's
+#: torch._dynamo) are not what a block tests, and cost more CPU than most blocks themselves.
+PRELOAD = ["numpy", "torch", "torch.distributed", "dptrain", "dptrain.runtime.env", "dptrain.comm",
+           "dptrain.parallel.ddp", "dptrain.train", "dptrain.data"]
+
+
+def _run(block: Block, where: str, warm: queue.Queue) -> subprocess.CompletedProcess:
+    """``python block.py`` in ``where``: a child forked from a warm parent (tests/_warm.py) that
+    runs the block as its ``__main__``, as a fresh interpreter would."""
     script = os.path.join(where, "block.py")
     with open(script, "w") as f:
         f.write(block.code)
+    out = os.path.join(where, "output.txt")
+    runner = warm.get()
     try:
-        return subprocess.run([sys.executable, script], cwd=where, env=_clean_env(), capture_output=True,
-                              text=True, timeout=BLOCK_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
-        return subprocess.CompletedProcess(exc.cmd, -1, "", f"still running after {BLOCK_TIMEOUT_S}s\n{out}")
+        rc = runner.run(script, cwd=where, out=out, timeout=BLOCK_TIMEOUT_S)
+    finally:
+        warm.put(runner)
+    with open(out, errors="replace") as f:
+        text = f.read()
+    if rc == -1:
+        text = f"still running after {BLOCK_TIMEOUT_S}s\n{text}"
+    return subprocess.CompletedProcess([sys.executable, script], rc, text, "")
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +138,16 @@ def runs(request, tmp_path_factory):
     """Every selected block started at once, two at a time; a test waits for its own."""
     selected = [item.callspec.params["block"] for item in request.session.items
                 if getattr(item, "callspec", None) and isinstance(item.callspec.params.get("block"), Block)]
+    warm: queue.Queue = queue.Queue()
+    runners = [WarmRunner(env=_clean_env(), preload=PRELOAD) for _ in range(min(PARALLEL, len(selected)))]
+    for runner in runners:
+        warm.put(runner)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL)
-    futures = {b.name: pool.submit(_run, b, str(tmp_path_factory.mktemp("block"))) for b in selected}
+    futures = {b.name: pool.submit(_run, b, str(tmp_path_factory.mktemp("block")), warm) for b in selected}
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
+    for runner in runners:
+        runner.close()
 
 
 @pytest.mark.parametrize("block", TO_RUN, ids=[b.name for b in TO_RUN])
