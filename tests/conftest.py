@@ -24,6 +24,8 @@ SERIAL = {
     "tests/launcher/test_auth.py", "tests/launcher/test_multinode.py", "tests/launcher/test_membership.py",
     "tests/launcher/test_inplace_resize.py", "tests/launcher/test_elastic.py",
     "tests/launcher/test_inplace_launcher.py", "tests/launcher/test_launch_lifecycle.py",
+    "tests/launcher/test_admission.py", "tests/test_diloco_inplace.py", "tests/parallel/test_diloco_nodes.py",
+    "tests/test_benchmark_diloco.py",
 }
 
 
