@@ -361,6 +361,22 @@ def test_init_again_after_shutdown_under_a_launcher_meets_the_peers_second_init(
             assert f"cycle {cycle} rank {rank} of 2: {total} grad {[total]}" in out.stdout, out.stdout
 
 
+def test_a_peer_stalled_in_a_second_init_is_not_named_as_one_that_shut_down():
+    # After init -> shutdown -> init, the note each rank wrote as it left the first job
+    # (left/<rank>) stayed in the store the jobs share: a collective that failed in the second job
+    # named rank 1, which was alive and stalled, as "shut down 2s ago (it returned or called
+    # dptrain.shutdown())" instead of as the rank that did not arrive.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(DPTRAIN_TIMEOUT="4", STALL_S="30")
+    out = subprocess.run([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2",
+                          os.path.join(root, "tests", "scripts", "init_again_stall.py")],
+                         capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    told = next((line for line in out.stdout.splitlines() if "rank 0 was told:" in line), None)
+    assert told is not None, out.stdout + out.stderr[-3000:]
+    assert "shut down" not in told and "rank 1 did not arrive" in told, told
+
+
 def test_dptrain_run_of_a_script_without_init_fails_naming_dptrain_init():
     # Issue 30: this job used to exit 0, its two ranks holding different weights.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

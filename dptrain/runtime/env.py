@@ -21,7 +21,7 @@ import datetime
 import os
 import sys
 import warnings
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from typing import Callable, Mapping
 
 import torch
@@ -229,6 +229,15 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
         base = _make_store(world, td)
         watch.connected = True
         keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART)
+        if again:
+            # Back in the job: the note this rank wrote as it left the last one (left/<rank>, in the
+            # keys every init shares) is not news. A peer whose collective fails in this job would
+            # read it and name this rank as one that shut down, not as one that did not arrive; and
+            # the progress it publishes starts again. Deleted before this rank joins, so before any
+            # collective of the new group can fail.
+            _heartbeat.reset_progress()
+            with suppress(Exception):
+                keys.delete_key(_heartbeat.key("left", world.rank))
         _STATE.base_store = base
         join_keys = _prefixed(base, world, _heartbeat.DPTRAIN_PART + again)
         join_keys.append("joined", f"{world.rank},")
