@@ -77,7 +77,7 @@ def test_the_exit_wait_sees_gloo_workers_and_returns_once_they_are_idle():
     # release renamed them, the wait would silently find nothing, and this says so.
     code = (
         "import os, time, torch, torch.distributed as dist\n"
-        "from dptrain import _exit, _torch_version\n"
+        "from dptrain.runtime import exit as _exit, torch_version as _torch_version\n"
         "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PORT'])\n"
         "dist.init_process_group('gloo', rank=0, world_size=1)\n"
         "dist.all_reduce(torch.ones(8))\n"

@@ -34,7 +34,7 @@ def test_import_dptrain_with_an_old_torch_says_which_and_how_to_fix(tmp_path):
 
 
 def test_the_installed_torch_is_supported_and_read_without_importing_it():
-    code = "import sys, dptrain; from dptrain import _torch_version as v; print(v.installed(), 'torch' in sys.modules)"
+    code = "import sys, dptrain; from dptrain.runtime import torch_version as v; print(v.installed(), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     import torch
 
