@@ -15,7 +15,6 @@ sample of each epoch trained on once.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -27,6 +26,7 @@ from collections import Counter
 
 import torch
 
+from dptrain.launcher.inplace import orphaned_directories
 from dptrain.train import resize, rollback
 from tests.launcher.test_elastic import _kill_namespace
 from tests.launcher.test_inplace_resize import SAMPLES, _generations, _launch, _records, _signal_namespace, _steps, \
@@ -102,7 +102,6 @@ def test_diloco_goes_on_in_place_without_a_lost_node_each_sample_once(two_nodes,
     on once (counting, for each step, only the newest generation that trained it)."""
     seen = tmp_path / "seen"
     seen.mkdir()
-    shm_before = set(glob.glob("/dev/shm/dptrain_recovery_*"))
     extra = ("--epochs", "2", "--diloco", "4")
     nodes = [_launch(two_nodes[n % 2], n, 29641, str(seen), extra, timeout=300) for n in (0, 1, 2)]
     try:
@@ -121,7 +120,7 @@ def test_diloco_goes_on_in_place_without_a_lost_node_each_sample_once(two_nodes,
         for p in nodes:
             if p.poll() is None:
                 p.kill()
-        for leftover in set(glob.glob("/dev/shm/dptrain_recovery_*")) - shm_before:  # the killed node's
+        for leftover in orphaned_directories():  # the killed node's; never a running job's
             shutil.rmtree(leftover, ignore_errors=True)
     if os.environ.get("SHOW_RESIZE"):
         print(*(o for pair in outs for o in pair))
