@@ -36,17 +36,28 @@ _MADE: dict[tuple, list] = {}
 
 
 def _made(key_groups: list[list[int]]) -> list:
+    # Groups destroyed with their world go: a re-formed default group may get the old one's id (its
+    # memory freed and reused), and groups of the old world must never be taken for the new one's --
+    # a rank that took them would skip the new_group calls the others make, and every rank would hang.
+    for stale in [k for k, groups in _MADE.items() if not all(_alive(pg) for pg in groups)]:
+        del _MADE[stale]
     key = (id(dist.distributed_c10d._get_default_group()), tuple(map(tuple, key_groups)))
-    if key not in _MADE or not all(_alive(pg) for pg in _MADE[key]):
+    if key not in _MADE:
         _MADE[key] = [dist.new_group(ranks) for ranks in key_groups]
     return _MADE[key]
 
 
 def _alive(pg: Any) -> bool:
-    try:
-        dist.get_world_size(pg)
+    """Whether ``pg`` belongs to the current world: destroy_process_group() forgets every group's ranks
+    (a destroyed group object itself still answers size() and rank()). The placeholder new_group()
+    returns to a rank outside the group tells nothing; each rank is in one group of each list made here,
+    and that one dies with the world as every other rank's does, so every rank decides alike."""
+    if pg is dist.GroupMember.NON_GROUP_MEMBER:
         return True
-    except (RuntimeError, ValueError):  # destroyed with the default group (shutdown, then init again)
+    try:
+        dist.get_process_group_ranks(pg)
+        return True
+    except (KeyError, RuntimeError, ValueError):
         return False
 
 
