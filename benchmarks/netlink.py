@@ -290,6 +290,7 @@ class TwoNodeLink:
                 self.close()
                 error = TimeoutError(f"the two-node run did not finish within {timeout_s:g}s: {' '.join(program)}")
                 error.outputs = ["".join(outputs[n][0]) for n in (0, 1)]  # what each node printed so far
+                error.errors = ["".join(outputs[n][1]) for n in (0, 1)]  # ... and on its stderr
                 raise error from None
         for t in threads:
             t.join(timeout=10)

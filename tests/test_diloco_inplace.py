@@ -8,6 +8,10 @@ no survivor restarted, one recovery line per kill, no checkpoint read, every ran
 replica (weights and buffers) and history equal to the uninterrupted run's; here also the
 replicas' common (outer) weights.
 
+With ``replica="node"`` (DDP inside each of two network-namespace nodes of 2 ranks, DiLoCo between
+them): a rank killed mid-round is replaced in place, every rank rebuilds the node groups and rails
+and rejoins its node's DDP, and the run ends bit for bit where an uninterrupted one ends.
+
 And a node lost for good (``--nnodes MIN:MAX``, network-namespace nodes): the survivors roll back
 to their own round snapshots under their new rank numbers and go on with fewer replicas, each
 sample of each epoch trained on once.
@@ -24,15 +28,17 @@ import time
 import types
 from collections import Counter
 
+import pytest
 import torch
 
+from benchmarks import netlink
 from dptrain.launcher.inplace import orphaned_directories
 from dptrain.train import resize, rollback
 from tests.launcher.test_elastic import _kill_namespace
 from tests.launcher.test_inplace_resize import SAMPLES, _generations, _launch, _records, _signal_namespace, _steps, \
     _trained
 from tests.launcher.test_multinode import two_nodes  # noqa: F401 - the fixture
-from tests.test_inplace_recovery import _check, _finals, _run, _same
+from tests.test_inplace_recovery import ROOT, _check, _finals, _run, _same
 
 PLAIN = {"sync_every": 4}
 # Streaming: 2 fragments (fragment 0 starts its exchange at steps 2, 6, ..., fragment 1 at 4, 8, ...),
@@ -94,6 +100,47 @@ def test_a_diloco_replacement_without_its_round_snapshots_falls_back_to_restarti
         assert _same(finals[rank]["state"], ref_final["state"])
 
 
+def _two_nodes(tmp_path, name, kills, settings):
+    """train_inplace.py on two namespace nodes of 2 ranks each under --recovery in-place: (OUT, both logs)."""
+    out = tmp_path / name
+    out.mkdir()
+    env = dict(os.environ, OUT=str(out), KILLS=";".join(kills), CKPT="", CUDA_VISIBLE_DEVICES="", STRATEGY="diloco",
+               DILOCO=json.dumps(settings))
+    with netlink.TwoNodeLink("10gbit") as link:
+        try:
+            results = link.run([os.path.join(ROOT, "tests", "scripts", "train_inplace.py")], nproc_per_node=2,
+                               timeout_s=150, env=env, run_args=("--recovery", "in-place", "--max-restarts", "4"))
+        except TimeoutError as stuck:
+            pytest.fail(f"the two-node job did not end; each node's last output: "
+                        f"{[(o + e)[-6000:] for o, e in zip(stuck.outputs, stuck.errors)]}")
+    log = "".join(r.stdout + r.stderr for r in results)
+    assert all(r.returncode == 0 for r in results), log[-6000:]
+    return out, log
+
+
+def test_diloco_with_node_replicas_recovers_in_place_bitwise_from_a_rank_killed_mid_round(tmp_path):
+    """replica='node' on two nodes of 2 ranks (DDP inside each node): rank 3 (node 1) dies in step 6's
+    forward and rank 0 (node 0) inside step 10's optimizer step; each time the job goes on in place from
+    the newest round snapshot (steps 4 and 8), the replacement taking the dead rank's files, and ends with
+    every rank's replica, outer weights and history equal to the uninterrupted run's."""
+    reason = netlink.unavailable()
+    if reason:
+        pytest.skip(f"two-namespace link not available: {reason}")
+    settings = {"replica": "node", "sync_every": 4}
+    ref, _ = _two_nodes(tmp_path, "ref", [], settings)
+    kills = ["3:0:forward:6", "0:0:optimizer:10"]
+    out, log = _two_nodes(tmp_path, "out", kills, settings)
+    reference = _finals(ref)
+    assert sorted(reference) == [0, 1, 2, 3]
+    _check(out, log, reference, kills)
+    _same_common(out, ref)
+    said = [line for line in log.splitlines() if line.startswith("[rank0] dptrain: recovered in place")]
+    assert ["round snapshot at step 4 " in said[0], "at step 8 " in said[1]] == [True] * 2, said
+    assert "in-place recovery is not possible" not in log
+    # The two nodes' replicas are one model after the last outer sync (step 12, the last).
+    assert _same(reference[0]["state"], reference[2]["state"])
+
+
 def test_diloco_goes_on_in_place_without_a_lost_node_each_sample_once(two_nodes, tmp_path):
     """Three nodes of one rank (nodes 0 and 2 in one namespace, node 1 in the other), DiLoCo with an outer
     sync every 4 steps. Node 1 goes silent mid-epoch (SIGSTOP) and is then killed: the survivors re-form as
@@ -153,9 +200,11 @@ def test_diloco_says_what_it_cannot_recover_in_place():
 
     node = _DiLoCoStrategy(torch.device("cpu"), {"replica": "node"})
     plain = _DiLoCoStrategy(torch.device("cpu"), {"replica": "rank"})
-    assert "replica='node'" in rollback.obstacle(types.SimpleNamespace(strategy=node))
-    assert "diloco_kwargs={'replica': 'rank'}" in rollback.obstacle(types.SimpleNamespace(strategy=node))
+    assert rollback.obstacle(types.SimpleNamespace(strategy=node)) is None  # (one process: no DDP)
     assert rollback.obstacle(types.SimpleNamespace(strategy=plain)) is None
+    # replica='node' replaces a rank in place, but a lost node restarts the job.
+    why = resize.obstacle(types.SimpleNamespace(strategy=node, train_loader=None))
+    assert why is not None and "replica='node'" in why and "diloco_kwargs={'replica': 'rank'}" in why
     # A lost node (--nnodes MIN:MAX): DiLoCo goes on in place, when its loaders can share an epoch out anew.
     assert resize.obstacle(types.SimpleNamespace(strategy=plain, train_loader=None)) is None
     why = resize.obstacle(types.SimpleNamespace(strategy=plain, train_loader=types.SimpleNamespace(sampler=[0, 1])))

@@ -405,7 +405,7 @@ class InPlaceRecovery:
                     self._let_go()
                     generation = env._reform(generation)
                     early = self._pack_early(generation, failed_at)
-                self._exchange_and_restore(generation, failed_at, early)
+                self._exchange_and_restore(generation, failed_at, early, reform)
                 return
             except Exception as again:  # noqa: BLE001 - a member died during the recovery itself
                 if early is not None:
@@ -537,11 +537,11 @@ class InPlaceRecovery:
                                      t.world.world_size)
 
     def _exchange_and_restore(self, generation: int, failed_at: float | None,
-                              early: "_transfer.PackedEarly | None" = None) -> None:
+                              early: "_transfer.PackedEarly | None" = None, reformed: bool = True) -> None:
         from dptrain.runtime import env
 
         if self.rounds is not None:
-            self.rounds.recover(generation, failed_at)
+            self.rounds.recover(generation, failed_at, reformed)
             return
         t = self.trainer
         # One exchange decides it all (every member computes the same from the same list): the target,

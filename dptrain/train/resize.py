@@ -48,7 +48,11 @@ def obstacle(trainer: Any) -> str | None:
         return "a plain loop (dptrain.RecoverableLoop) goes on in place at the same world size only"
     # DiLoCo (replica='rank') goes on without a node too: the survivors roll back to their round
     # snapshots and the outer mean is over the replicas left (see [Note: DiLoCo without a node] in
-    # dptrain.train.rollback). replica='node' never gets here (it does not recover in place at all).
+    # dptrain.train.rollback). replica='node' recovers a rank in place, but a lost node restarts.
+    if getattr(trainer.strategy, "name", None) == "diloco" and getattr(trainer.strategy, "replica", None) == "node":
+        return ("DiLoCo with replica='node' replaces a rank in place but does not go on without a lost node: its "
+                "node groups and rails would need the world's new shape; use diloco_kwargs={'replica': 'rank'} to "
+                "go on in place with fewer replicas")
     for name, loader in _loaders(trainer):
         sampler = _sampler_of(loader)
         if isinstance(sampler, DistributedSampler):

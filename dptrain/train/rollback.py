@@ -50,6 +50,30 @@ epoch's running loss is. Deterministic, but not bitwise equal to an uninterrupte
 more replicas). A renumbered rank's snapshot of the target then takes its new number's name
 (after a barrier: another process of its node may have had that number), so a replacement of
 it before the next round point finds it.
+
+[Note: DiLoCo's node replicas, recovered in place]
+With ``replica="node"`` the ranks of a node train one replica with DDP over a group of the
+node's ranks (``node_group()``), and DiLoCo exchanges between the nodes over one "rail" group
+per local rank. Every one of those groups dies with the old world, and only the world's ranks
+together can make new ones (``new_group`` is collective over the world). The state is no
+harder than above: every rank writes its own round snapshot, which holds its node's replica,
+inner optimizer and DiLoCo state (the same on every rank of the node) and also its DDP's
+*layout* at that commit (the reducer's learnt buckets, see ``DistributedDataParallel.
+_recovery_layout``); a replacement reads the dead rank's, on the same node. What a recovery
+adds is the groups, in an order every rank keeps:
+
+1. A replacement's Trainer builds its DDP over ``node_group()`` and DiLoCo over the rails
+   (``topology_for``), two collectives over the world each, while the survivors, right after
+   the re-form (and a replacement that re-forms again because a member died meanwhile), make
+   the same two: ``node_group()``, then DiLoCo's topology for the new node group.
+2. The target is picked as above and every rank loads its own round snapshot of it.
+3. Every rank calls ``ddp._rejoin(layout, process_group=<the new node group>)`` with its
+   snapshot's layout (the same on every rank of a node): inside each node, the ranks check the
+   model, vote on shared memory and build a new reducer that takes over the buckets, so the
+   steps done again reduce exactly as the first time.
+
+The run then ends bit for bit where an uninterrupted one ends. A node lost for good under
+``--nnodes MIN:MAX`` still restarts the job (``resize.obstacle`` says so).
 """
 
 from __future__ import annotations
@@ -73,10 +97,11 @@ def obstacle(trainer: Any) -> str | None:
     strategy = trainer.strategy
     if strategy.name != "diloco":
         return None
-    if strategy.replica != "rank":
-        return ("DiLoCo with replica='node' trains each node's replica with DDP over a group of the node's ranks, "
-                "which cannot follow a re-formed process group; use diloco_kwargs={'replica': 'rank'} to recover "
-                "DiLoCo in place (each rank then rolls back to its last round snapshot)")
+    model = getattr(trainer, "model", None)
+    if strategy.replica == "node" and hasattr(model, "_recovery_obstacle"):
+        # The node's DDP follows the re-form onto a node group made again (see the Note); what else would
+        # keep a DDP from rejoining (none of it is set by the strategy today) is still refused.
+        return model._recovery_obstacle(group_rebuilt=True)
     return None
 
 
@@ -112,6 +137,8 @@ class RoundSnapshots:
         self.written = 0  # round snapshots this process wrote
         self.write_s = 0.0  # the time it took (what a round point costs; see docs/diloco.md)
         self.bytes = 0  # the size of the last one
+        # replica='node' on several ranks: the model is a DDP over the node's group, rebuilt by a recovery.
+        self.node_replica = hasattr(self.trainer.model, "_rejoin") and self.trainer.strategy.replica == "node"
 
     # -- round points ----------------------------------------------------------------------
     def due(self, boundary: bool) -> bool:
@@ -144,6 +171,8 @@ class RoundSnapshots:
             state["scheduler"] = t.scheduler.state_dict()
         if t.scaler is not None:
             state["scaler"] = t.scaler.state_dict()
+        if self.node_replica:  # what the node's DDP learnt, for its rejoin (see [Note: DiLoCo's node replicas ...])
+            state["ddp_layout"] = t.model._recovery_layout(group_rebuilt=True)
         return state
 
     def write(self, seq: int, own: dict) -> None:
@@ -161,8 +190,12 @@ class RoundSnapshots:
         self.write_s += time.perf_counter() - started
 
     # -- recovering -----------------------------------------------------------------------
-    def recover(self, generation: int, failed_at: float | None) -> None:
-        """Every member of ``generation``'s (formed) group: agree on the target, roll back to it, go on."""
+    def recover(self, generation: int, failed_at: float | None, reformed: bool = True) -> None:
+        """Every member of ``generation``'s (formed) group: agree on the target, roll back to it, go on.
+
+        ``reformed``: this process re-formed the group (a survivor, or a replacement trying again);
+        False for a replacement's first try, whose Trainer made DiLoCo's groups on the new world.
+        """
         from dptrain import comm
         from dptrain.runtime import env
         from dptrain.train import resize
@@ -171,6 +204,15 @@ class RoundSnapshots:
         # The files this process reads are those of the rank number it had when it wrote them: after a
         # node was lost (see [Note: DiLoCo without a node]) its number in the new group may differ.
         own = t.rank
+        node = None
+        if self.node_replica:  # step 1 of [Note: DiLoCo's node replicas, recovered in place]
+            if reformed:
+                from dptrain.parallel.diloco import node_group
+
+                node = node_group()
+                self.diloco._follow_world(node)
+            else:
+                node = t.model.process_group  # the replacement's DDP was built over the new node group
         status = rec._status(failed_at, {}, False)
         status.update(has=sorted(held(self.directory, own)), pending_save=rec.pending_save)
         statuses = comm.all_gather_object(status)
@@ -189,7 +231,7 @@ class RoundSnapshots:
         if (world.rank, world.world_size) != (t.rank, t.world.world_size):
             resize.move_to(t, world)
             self.diloco._follow_world()  # the outer mean is over the replicas present
-        progress = self.roll_back(target, pending_save, own)
+        progress = self.roll_back(target, pending_save, own, node)
         load_s = time.perf_counter() - started
         steps = comm.all_gather_object(progress["global_step"])
         if len(set(steps)) != 1:  # the files of one commit hold one progress on every rank; a stray file does not
@@ -260,15 +302,18 @@ class RoundSnapshots:
             file=sys.stderr, flush=True,
         )
 
-    def roll_back(self, target: int, pending_save: bool, own: int | None = None) -> dict:
+    def roll_back(self, target: int, pending_save: bool, own: int | None = None, node: Any = None) -> dict:
         """Load this rank's round snapshot of commit ``target`` (its own files, written under rank number
         ``own``, default its current one; a replacement's are the dead rank's) and make it the Trainer's
-        state; the snapshot's progress is returned."""
+        state; the snapshot's progress is returned. ``node``: the new node group of a replica='node'
+        DDP, which rejoins it with the snapshot's layout (collective over the node's ranks)."""
         t = self.trainer
         own = t.rank if own is None else own
         path = held(self.directory, own)[target]
         state = torch.load(path, map_location="cpu", weights_only=False)
         self.diloco._drop_in_flight()
+        if node is not None:
+            t.model._rejoin(state["ddp_layout"], process_group=node)  # step 3 of the Note
         t.strategy.load_optimizer_state_dict(t.optimizer, state["optimizer"])
         t._parts.parts["diloco"].load_state_dict(state["diloco"])
         if t.scaler is not None and "scaler" in state:

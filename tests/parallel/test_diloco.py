@@ -298,3 +298,29 @@ def _sync_now_twice(rank):
 def test_sync_now_right_after_a_sync_leaves_the_weights_as_they_are():
     for first, second in run_ranks(_sync_now_twice, 2):
         assert torch.equal(first, second), (first - second).abs().max()
+
+
+def _groups_after_a_re_form(rank: int) -> tuple:
+    """The groups node_group() and the rails come from, made, the world re-formed, made again -- also when
+    the new default group lands at the old one's id (as it may, its memory reused)."""
+    import torch.distributed as dist
+
+    from dptrain.runtime import env, exit as _exit
+    from dptrain.parallel.diloco import _groups
+
+    old = _groups._made([[0], [1]])
+    _exit.settle_before_destroy()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("re-formed/", env._STATE.store), rank=rank, world_size=2)
+    dead = [_groups._alive(pg) for pg in old]
+    # The old world's groups filed under the new default group's id: what an id reused looks like.
+    _groups._MADE[(id(dist.distributed_c10d._get_default_group()), ((0,), (1,)))] = old
+    new = _groups._made([[0], [1]])
+    again = _groups._made([[0], [1]])  # nothing destroyed since: the same groups, no new_group call
+    return dead, new[rank] is not old[rank], dist.get_process_group_ranks(new[rank]), again is new
+
+
+def test_groups_of_a_destroyed_world_are_made_anew_even_under_a_reused_default_group_id():
+    for rank, (dead, made_anew, ranks, cached) in enumerate(run_ranks(_groups_after_a_re_form, 2)):
+        assert dead[rank] is False  # its own group, destroyed with its world (size() still answers)
+        assert made_anew and ranks == [rank] and cached

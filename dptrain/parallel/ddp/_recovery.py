@@ -29,7 +29,17 @@ PyTorch's ``_apply_optimizer_in_backward`` (a failed backward may have stepped s
 PowerSGD (``compression="powersgd"``, a decided ``"auto"`` that chose it, or a registered
 ``PowerSGDState``: its error feedback is per rank and the dead rank's is lost), a
 ``compression="auto"`` still measuring, a communication hook whose state holds a process
-group, and a DDP over another group than the default one (``process_group=``/``device_mesh=``).
+group, and a DDP over another group than the default one (``process_group=``/``device_mesh=``)
+unless the caller rebuilds that group itself.
+
+[Note: rejoining a group of the caller's]
+A DDP over a subgroup (DiLoCo's ``replica="node"``: DDP over the ranks of one node) cannot
+follow the re-formed default group on its own: its group died with the old world, and only
+the caller knows which ranks the new one holds. The caller makes the new subgroup (on every
+rank of the world, in the same order: ``new_group`` is collective over the world) and passes
+it: ``ddp._rejoin(layout, process_group=new)``; :func:`obstacle` and :func:`layout_of` take
+``group_rebuilt=True`` to allow it. The layout must then come from a rank of the same
+subgroup (the reducers of other subgroups learnt their own state).
 """
 
 from __future__ import annotations
@@ -101,8 +111,12 @@ def is_joining() -> bool:
     return _settings.get("DPTRAIN_RECOVERY") == "in-place" and bool(_settings.get("DPTRAIN_GENERATION"))
 
 
-def obstacle(ddp: Any, layout: dict | None = None, describing: bool = False) -> str | None:
+def obstacle(ddp: Any, layout: dict | None = None, describing: bool = False, group_rebuilt: bool = False) -> str | None:
     """Why ``ddp`` cannot rejoin a re-formed group (``describing``: describe itself for one), or None.
+
+    ``group_rebuilt``: the caller makes the new group of a DDP over a subgroup and passes it to
+    :func:`rejoin` (see [Note: rejoining a group of the caller's]); without it only a DDP over the
+    default group can rejoin.
 
     The answer must be the same on every rank, since the ranks that find none go on into
     collectives: it rests on settings that every rank's script makes alike, and for
@@ -111,10 +125,11 @@ def obstacle(ddp: Any, layout: dict | None = None, describing: bool = False) -> 
     """
     if not ddp._distributed:
         return "DistributedDataParallel was built without a process group (a world of one): there is nothing to rejoin"
-    if not getattr(ddp, "_world_group", False):
+    if not getattr(ddp, "_world_group", False) and not (group_rebuilt and ddp.device_mesh is None):
         what = "device_mesh=" if ddp.device_mesh is not None else "process_group="
         return (f"DistributedDataParallel({what}...): only a DDP over the default process group can follow it to "
-                "the re-formed one")
+                "the re-formed one (or one over a process group its caller makes again and passes to "
+                "_rejoin(layout, process_group=...))")
     if ddp._overlap_optimizer is not None:
         return ("DistributedDataParallel(overlap_optimizer=...): a failed backward may have stepped some buckets "
                 "already; in-place recovery needs overlap_optimizer=None")
@@ -167,9 +182,9 @@ def auto_choice(ddp: Any, layout: dict | None) -> str | None:
     return None if auto is None else auto.choice
 
 
-def layout_of(ddp: Any, undo_completed_backward: bool = False) -> dict:
+def layout_of(ddp: Any, undo_completed_backward: bool = False, group_rebuilt: bool = False) -> dict:
     """``ddp._recovery_layout()``: see there."""
-    reason = obstacle(ddp, describing=True)
+    reason = obstacle(ddp, describing=True, group_rebuilt=group_rebuilt)
     if reason is not None:
         raise NotImplementedError(f"in-place recovery: {reason}")
     reducer = ddp.reducer
@@ -283,16 +298,20 @@ def prepare_rejoin(ddp: Any, directory: str | None, world_size: int | None = Non
     return _shm.ahead_for_parameters(params, world_size, directory)
 
 
-def rejoin(ddp: Any, layout: dict | None, verify: bool) -> None:
-    """``ddp._rejoin(layout)``: see there and [Note: rejoining a re-formed group]."""
+def rejoin(ddp: Any, layout: dict | None, verify: bool, process_group: Any = None) -> None:
+    """``ddp._rejoin(layout)``: see there and [Note: rejoining a re-formed group] (``process_group``:
+    [Note: rejoining a group of the caller's])."""
     global _rejoined
     _rejoined = True
     if layout is not None and layout.get("version") != LAYOUT_VERSION:
         raise ValueError(f"DDP recovery layout of version {layout.get('version')!r}; this dptrain reads version "
                          f"{LAYOUT_VERSION} (every rank must run the same dptrain)")
-    reason = obstacle(ddp, layout)
+    reason = obstacle(ddp, layout, group_rebuilt=process_group is not None)
     if reason is not None:
         raise NotImplementedError(f"in-place recovery: {reason}")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"DistributedDataParallel._rejoin(process_group=...) takes a torch.distributed ProcessGroup "
+                        f"(e.g. from dist.new_group(ranks)), got {type(process_group).__name__}")
     if layout is not None and layout.get("reducer") is not None:
         check_reducer_layout(layout["reducer"], ddp._reducer_params()[1], ddp.static_graph)  # before any change
     if not (dist.is_available() and dist.is_initialized()):
@@ -301,7 +320,7 @@ def rejoin(ddp: Any, layout: dict | None, verify: bool) -> None:
     leave_group(ddp)  # done already when the caller let go before destroying the old group
     hook = ddp.__dict__.pop("_kept_comm_hook", None)
 
-    ddp.process_group = dist.group.WORLD
+    ddp.process_group = dist.group.WORLD if process_group is None else process_group
     ddp._rank = dist.get_rank(ddp.process_group)
     ddp._lazy_init_ran = False  # the new reducer adopts the optimizers in backward, as at construction
     for p in ddp.module.parameters():

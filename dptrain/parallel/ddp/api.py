@@ -565,7 +565,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.register_comm_hook(comm_hook[1], comm_hook[0])
 
     # ------------------------------------------------------------------ in-place recovery
-    def _recovery_layout(self, undo_completed_backward: bool = False) -> dict:
+    def _recovery_layout(self, undo_completed_backward: bool = False, *, group_rebuilt: bool = False) -> dict:
         """What a DDP of the same model on another process needs to reduce exactly like this one.
 
         Plain, picklable data (send it with ``broadcast_object_list``): the bucket layout, the
@@ -581,16 +581,22 @@ class DistributedDataParallel(nn.Module, Joinable):
         layout as the first time. Take the layout from the rank whose training state the
         others restore (rank 0 when it is as far as any), at the same step.
 
+        ``group_rebuilt`` (default False): this DDP reduces over a process group of its own
+        (``process_group=``), which the caller will make again after the re-form and pass to
+        :meth:`_rejoin`; without it such a DDP raises. The layout then fits the ranks of that
+        group only.
+
         Raises:
             NotImplementedError: this DDP cannot be recovered in place (see
                 :meth:`_recovery_obstacle`); the message names why.
         """
-        return _recovery.layout_of(self, undo_completed_backward)
+        return _recovery.layout_of(self, undo_completed_backward, group_rebuilt)
 
-    def _recovery_obstacle(self) -> str | None:
+    def _recovery_obstacle(self, *, group_rebuilt: bool = False) -> str | None:
         """Why this DDP cannot be recovered in place (``overlap_optimizer``, PowerSGD, a
-        ``compression="auto"`` still measuring, a group other than the default one, ...), or None."""
-        return _recovery.obstacle(self, describing=True)
+        ``compression="auto"`` still measuring, a group other than the default one unless the
+        caller rebuilds it -- ``group_rebuilt``, default False --, ...), or None."""
+        return _recovery.obstacle(self, describing=True, group_rebuilt=group_rebuilt)
 
     def _leave_group(self) -> None:
         """Let go of the process group before it is destroyed (in-place recovery; no collective).
@@ -627,8 +633,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         return _recovery.prepare_rejoin(self, directory, world_size)
 
-    def _rejoin(self, layout: dict | None = None, *, verify: bool = True) -> None:
-        """Move onto the re-formed default process group; collective: every rank calls it.
+    def _rejoin(self, layout: dict | None = None, *, verify: bool = True, process_group: Any = None) -> None:
+        """Move onto the re-formed default process group (or ``process_group``); collective: every rank
+        of that group calls it.
 
         Call after the old default group was destroyed and a new one created with the same
         rank numbers, on every rank with the same ``layout`` (from :meth:`_recovery_layout` on
@@ -650,15 +657,21 @@ class DistributedDataParallel(nn.Module, Joinable):
         Args:
             layout: from :meth:`_recovery_layout` on a healthy rank; the same on every rank.
             verify: check that every rank built the same model (one all-gather). Default True.
+            process_group: the group to reduce over from now on, made by the caller after the
+                re-form, for a DDP built with a ``process_group=`` of its own (e.g. DiLoCo's
+                node group, made again with ``dptrain.parallel.diloco.node_group()`` on every
+                rank of the world); ``layout`` then comes from a rank of that group. Default
+                None: the new default group (a DDP over a group of its own then raises).
 
         Raises:
             NotImplementedError: this DDP cannot be recovered in place; raised before anything
                 is changed, on every rank alike, so the caller can fall back to a restart.
+            TypeError: ``process_group`` is not a ``torch.distributed.ProcessGroup``.
             ValueError: ``layout`` comes from a DDP of another model or settings (also raised
                 before anything is changed).
             RuntimeError: no process group is initialized.
         """
-        _recovery.rejoin(self, layout, verify)
+        _recovery.rejoin(self, layout, verify, process_group)
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager

@@ -9,6 +9,12 @@ The outer exchange then runs between replicas: for each place ``i`` in the DDP g
 "rail" group of the ``i``-th rank of every group. Every rank learns every rank's DDP group
 (one all-gather of objects) and makes every rail with ``new_group`` in the same order,
 because ``new_group`` is collective over the world.
+
+After in-place recovery re-formed the world, every group made here died with the old one:
+the survivors call :func:`node_group` and :func:`topology_for` again, in the order a
+replacement's construction calls them (node group first, then the rails), and pass the new
+node group as ``node`` since their DDP moves onto it only afterwards (see
+[Note: DiLoCo's node replicas, recovered in place] in :mod:`dptrain.train.rollback`).
 """
 
 from __future__ import annotations
@@ -30,17 +36,28 @@ _MADE: dict[tuple, list] = {}
 
 
 def _made(key_groups: list[list[int]]) -> list:
+    # Groups destroyed with their world go: a re-formed default group may get the old one's id (its
+    # memory freed and reused), and groups of the old world must never be taken for the new one's --
+    # a rank that took them would skip the new_group calls the others make, and every rank would hang.
+    for stale in [k for k, groups in _MADE.items() if not all(_alive(pg) for pg in groups)]:
+        del _MADE[stale]
     key = (id(dist.distributed_c10d._get_default_group()), tuple(map(tuple, key_groups)))
-    if key not in _MADE or not all(_alive(pg) for pg in _MADE[key]):
+    if key not in _MADE:
         _MADE[key] = [dist.new_group(ranks) for ranks in key_groups]
     return _MADE[key]
 
 
 def _alive(pg: Any) -> bool:
-    try:
-        dist.get_world_size(pg)
+    """Whether ``pg`` belongs to the current world: destroy_process_group() forgets every group's ranks
+    (a destroyed group object itself still answers size() and rank()). The placeholder new_group()
+    returns to a rank outside the group tells nothing; each rank is in one group of each list made here,
+    and that one dies with the world as every other rank's does, so every rank decides alike."""
+    if pg is dist.GroupMember.NON_GROUP_MEMBER:
         return True
-    except (RuntimeError, ValueError):  # destroyed with the default group (shutdown, then init again)
+    try:
+        dist.get_process_group_ranks(pg)
+        return True
+    except (KeyError, RuntimeError, ValueError):
         return False
 
 
@@ -83,18 +100,20 @@ def _size(group: Any) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def topology_for(model: Any, group: Any) -> Topology:
+def topology_for(model: Any, group: Any, node: Any = None) -> Topology:
     """The topology of ``model``'s outer exchange; collective over the world for a DDP model.
 
     ``group`` given: that group, every rank one replica. A :class:`DistributedDataParallel`
     over a group smaller than the world: the rails (see the module note). Otherwise the world.
+    ``node`` (default None: the DDP's own group): the DDP group to take instead, a new one made
+    after a re-form that the DDP has not moved onto yet.
 
     Raises:
         ValueError: DDP groups of different sizes, or overlapping ones.
     """
-    if group is not None or not isinstance(model, DistributedDataParallel) or model.process_group is None:
+    inner = model.process_group if node is None and isinstance(model, DistributedDataParallel) else node
+    if group is not None or not isinstance(model, DistributedDataParallel) or inner is None:
         return Topology(outer=group, outer_size=_size(group))
-    inner = model.process_group
     mine = tuple(dist.get_process_group_ranks(inner))
     every = comm.all_gather_object(mine)
     groups = sorted(set(every))

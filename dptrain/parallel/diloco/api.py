@@ -291,11 +291,12 @@ class DiLoCo:
         replica died) and the state is about to be rolled back (see dptrain.train.rollback)."""
         self._pending = []
 
-    def _follow_world(self) -> None:
-        """In-place recovery went on without a node (see [Note: DiLoCo without a node] in
-        dptrain.train.rollback): exchange over the re-formed world from now on, among the replicas
-        present. Collective (every member calls it, as after a re-form); the exchanges in flight
-        are dropped (their group is gone).
+    def _follow_world(self, node: Any = None) -> None:
+        """In-place recovery re-formed the world (see [Note: DiLoCo without a node] and [Note:
+        DiLoCo's node replicas, recovered in place] in dptrain.train.rollback): exchange over the
+        re-formed world from now on, among the replicas present. Collective (every member calls it,
+        as after a re-form); the exchanges in flight are dropped (their group is gone). ``node``
+        (default None: the DDP's own group): a DDP model's new node group, made after the re-form.
 
         Raises:
             RuntimeError: DiLoCo was built with a ``group`` of the user's, which cannot follow.
@@ -304,7 +305,7 @@ class DiLoCo:
             raise RuntimeError("DiLoCo built with a process group of its own cannot follow a re-formed world; build "
                                "it with group=None to go on without a lost node in place")
         self._pending = []
-        self._topology = _groups.topology_for(self.model, None)
+        self._topology = _groups.topology_for(self.model, None, node)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -343,3 +343,64 @@ def test_rejoin_refuses_what_it_cannot_carry_over():
     assert "overlap_optimizer" in overlap
     assert "powersgd" in powersgd
     assert "compression='auto'" in auto and "measuring" in auto_rejoin
+
+
+def _pairs() -> tuple:
+    """A group per pair of ranks ({0, 1}, {2, 3}), made on every rank in the same order; this rank's."""
+    made = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return made[dist.get_rank() // 2]
+
+
+def _subgroup_run(rank: int) -> tuple:
+    """DDP over pairs of ranks (as DiLoCo's replica='node' builds it): re-formed after 2 steps, the pairs'
+    groups made again, the last rank replaced from its pair's first rank, every rank rejoining its new pair."""
+    kw = {"bucket_cap_mb": SMALL}
+    torch.manual_seed(0)
+    model = Net()
+    ddp = dptrain.DDP(model, process_group=_pairs(), **kw)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    torch.manual_seed(100 + rank)
+    for step in range(STEPS):
+        _step(ddp, opt, rank, step)
+    reference = _state(model)
+
+    generation = [0]
+    torch.manual_seed(0)
+    model = Net()
+    ddp = dptrain.DDP(model, process_group=_pairs(), **kw)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    torch.manual_seed(100 + rank)
+    for step in range(2):
+        _step(ddp, opt, rank, step)
+    with pytest.raises(NotImplementedError, match="process_group=") as refused:
+        ddp._recovery_layout()  # a group of its own that the caller does not say it makes again
+    layout = ddp._recovery_layout(group_rebuilt=True)
+    _reform(rank, generation)
+    pair = _pairs()  # the caller makes the pairs' groups again, on every rank
+    sent = [layout, _state(model), opt.state_dict()]
+    dist.broadcast_object_list(sent, src=2)  # the last rank's pair: rank 2 holds what rank 3 held
+    if rank == 3:
+        _, module_state, opt_state = sent
+        with torch.random.fork_rng():
+            torch.manual_seed(1234)
+            model = Net()
+        model.load_state_dict(module_state)
+        with joining_job():
+            ddp = dptrain.DDP(model, process_group=pair, **kw)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        opt.load_state_dict(opt_state)
+        layout = sent[0]
+    with pytest.raises(NotImplementedError, match="default process group"):
+        ddp._rejoin(layout)  # without the new group it cannot follow
+    ddp._rejoin(layout, process_group=pair)
+    assert ddp.process_group is pair and ddp.reducer.assignment == layout["reducer"]["assignment"]
+    for step in range(2, STEPS):
+        _step(ddp, opt, rank, step)
+    return reference, _state(model), str(refused.value)
+
+
+def test_rejoin_onto_a_subgroup_the_caller_makes_again_is_bitwise_equal_to_uninterrupted():
+    for rank, (reference, recovered, refused) in enumerate(run_ranks(_subgroup_run, 4)):
+        assert "_rejoin(layout, process_group=...)" in refused
+        for name, value in reference.items():
+            assert torch.equal(value, recovered[name]), f"rank {rank}: {name} differs"
