@@ -44,6 +44,23 @@ SLOW = SERIAL | {
 }
 
 
+# And these tests of otherwise quick files, for the same reasons (a `dptrain run` or torchrun job,
+# a fresh interpreter, a wait for a timeout on purpose): by node id, parameters included.
+SLOW_TESTS = (
+    "tests/test_env.py::test_a_rank_that_cannot_reach_the_master_says_what_it_waits_for",
+    "tests/test_env.py::test_a_peer_stalled_in_a_second_init_is_not_named_as_one_that_shut_down",
+    "tests/test_env.py::test_init_again_after_shutdown_under_a_launcher_meets_the_peers_second_init",
+    "tests/test_env.py::test_plain_python_under_slurm_names_the_missing_ranks_and_srun",
+    "tests/test_env.py::test_a_forgotten_init_under_a_launcher_is_refused_naming_dptrain_init",
+    "tests/test_env.py::test_dptrain_run_of_a_script_without_init_fails_naming_dptrain_init",
+    "tests/test_stream.py::test_hugging_face_streaming_from_local_files",
+    "tests/test_trainer.py::test_kill_9_and_launcher_restart_gives_the_uninterrupted_model",
+    "tests/test_cli_config.py::test_two_ranks_under_dptrain_run_read_the_file_and_the_override",
+    "tests/test_cli_config.py::test_a_script_prints_one_line_and_exits_2_and_imports_jsonargparse_only_then",
+    "tests/parallel/test_guarded_paths.py::test_a_stalled_peer_is_named_on_every_path_outside_the_buckets",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
@@ -51,7 +68,7 @@ def pytest_collection_modifyitems(config, items):
         path = item.nodeid.split("::", 1)[0]
         if path in SERIAL:
             item.add_marker(pytest.mark.xdist_group("serial"))
-        if path in SLOW:
+        if path in SLOW or item.nodeid.startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
 
 
