@@ -216,7 +216,15 @@ def main() -> None:
     for spec in filter(None, os.environ.get("KILLS", "").split(";")):
         rank, gen, where, _ = spec.split(":")
         if where == "after" and int(rank) == world.rank and int(gen) == GEN and not world.restart_count:
-            die(trainer, where)  # fit has returned on this rank
+            # The case under test is a rank that fails once rank 0's fit has returned (and rank 0 may
+            # be gone): wait until rank 0 has said so in the store, or this rank may die first and
+            # its replacement meet a job that is finishing (a race of the two ranks' ends, not this case).
+            from dptrain.runtime import env as _env, regroup as _regroup
+
+            deadline = time.monotonic() + 60
+            while not _env._STATE.store.check([_regroup.FINISHED]) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            die(trainer, where)  # fit has returned on this rank and on rank 0
     state = {k: v.detach().clone() for k, v in bare(trainer).state_dict().items()}  # buffers too
     extra = {}
     if os.environ.get("STRATEGY") == "diloco":  # each rank's replica above; the replicas' common weights here
