@@ -112,9 +112,19 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _torch_sigchld_only(before: dict, after: dict) -> bool:
+    """Whether the only change is SIGCHLD now being torch's DataLoader handler: torch installs it
+    at the first iterator with workers, once per process and for good (chaining the one before),
+    so every process that ever loaded with workers has it; not a body's leftover."""
+    differ = [s for s in before if before[s] != after[s]]
+    return differ == [signal.SIGCHLD] and "_set_SIGCHLD_handler" in getattr(after[signal.SIGCHLD], "__qualname__", "")
+
+
 def _what_changed(before: dict, after: dict) -> str | None:
     """The first thing a body left changed (a few words for the log), or None."""
     for key in ("environ", "cwd", "signals", "limits", "warnings", "hooks", "path", "torch"):
+        if key == "signals" and _torch_sigchld_only(before[key], after[key]):
+            continue
         if before[key] != after[key]:
             return key
     gone_or_new = after["threads"] - before["threads"]

@@ -251,6 +251,31 @@ def test_a_user_dataloader_over_a_stream_is_rebuilt():
     assert shard_stream_loader(loader) is loader
 
 
+def test_a_fit_stopped_inside_a_stream_epoch_ends_its_loader_workers_and_keeps_the_position():
+    """fit(max_steps=...) stopping mid-epoch closes the pass: its worker processes end with fit,
+    not when the Trainer is garbage-collected (torch then waits 5 s per worker before it kills
+    them: 20 s per resume test in test_trainer_stream before the fix)."""
+    import gc
+    import multiprocessing
+    import time
+
+    from tests.scripts import train_stream as job
+
+    trainer = job.build(203, 2)
+    trainer.fit(max_steps=5)
+    assert multiprocessing.active_children() == []  # the two loader workers ended with fit
+    loader = trainer.train_loader
+    assert loader.state_dict()["items"] == 5  # the position stays for a checkpoint
+    with pytest.raises(RuntimeError, match="was closed after 5 item"):
+        next(loader._iterator_now)
+    trainer.fit(max_steps=8)  # and the same Trainer goes on in the same epoch
+    assert trainer.global_step == 8 and loader.state_dict()["items"] == 8
+    del trainer, loader
+    t0 = time.monotonic()
+    gc.collect()
+    assert time.monotonic() - t0 < 2.5
+
+
 def test_wrong_settings_are_refused():
     with pytest.raises(ValueError, match="uneven"):
         prepare_dataloader(torch.utils.data.TensorDataset(torch.zeros(4)), 2, uneven="drop")

@@ -126,9 +126,23 @@ class StreamIterator:
         self._falls_back = False  # a rank had no batch at all: this epoch drops
         self._stood_in = 0  # stand-in items on all ranks (from the sums)
         self._remaining_ranks = 0  # ranks with a real batch at the step that did not happen
+        self._closed = False
 
     def __iter__(self) -> "StreamIterator":
         return self
+
+    def close(self) -> None:
+        """End this pass before its epoch's end: its loader worker processes stop now.
+
+        The position (``items``, what the loader's ``state_dict()`` reports) stays. Without
+        this, the workers of a pass left unfinished live until the next ``iter(loader)`` or
+        until the garbage collector finds the pass, and a DataLoader iterator that the collector
+        finalizes (one in a reference cycle, as a Trainer's loader is) waits 5 s per worker
+        before it kills them. ``next()`` after ``close()`` raises ``RuntimeError``: the rank's
+        share did not end, and a pass that went on without its readers would say it had.
+        """
+        self._closed = True
+        self._inner = None
 
     def _fetch(self) -> tuple | None:
         """This rank's next real batch item, or None at the end of its share; ends met on the way become news."""
@@ -198,6 +212,9 @@ class StreamIterator:
     def __next__(self) -> Any:
         if self.finished:
             raise StopIteration
+        if self._closed:
+            raise RuntimeError(f"rank {self._run.rank}: this pass of the stream loader (epoch {self._run.epoch}) was "
+                               f"closed after {self.items} item(s); start a new one with iter(loader)")
         if not self._started:
             self._started = True
             self._current = self._fetch()

@@ -215,7 +215,7 @@ class StreamLoader(tud.DataLoader):
         # garbage collector, which may run it in a worker forked later, where torch's clean-up
         # of those workers fails ("can only test a child process").
         if self._iterator_now is not None:
-            self._iterator_now._inner = None  # a pass left unfinished: its workers stop before new ones start
+            self._iterator_now.close()  # a pass left unfinished: its workers stop before new ones start
         items, ends, done = self._resume if self._resume is not None else (0, {}, False)
         self._resume = None
         run = Pass(self.rank, self._workers, self.world_size, self.uneven, self.epoch, self._synced(), self._said)

@@ -29,6 +29,7 @@ from dptrain import comm
 from dptrain.runtime import heartbeat as _heartbeat, interrupt as _interrupt, settings as _settings
 from dptrain.runtime.tensors import move_to_device
 from dptrain.data import ShadowBatch, prepare_dataloader
+from dptrain.data._lockstep import StreamIterator
 from dptrain.runtime.env import (World, _warn_once_main, device as _default_device, get_world, init, is_initialized,
                                  world_from_environ)
 from dptrain.train import _parts, evaluation
@@ -592,6 +593,10 @@ class Trainer:
             self.state.batch_in_epoch = b
             if self.config.checkpoint_dir and self._saved_step != self.global_step:
                 self.save_checkpoint()
+            if isinstance(it, StreamIterator):
+                # The stream loader keeps its pass (for its position): its workers would live on
+                # until the Trainer is collected, which then waits 5 s per worker (StreamIterator.close).
+                it.close()
             return
         self._end_epoch(epoch, start, time.perf_counter() - t0, max_epochs)
 
