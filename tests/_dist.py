@@ -114,3 +114,10 @@ def wait_event(path, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the event {path!r} did not happen within {timeout:.0f}s")
         time.sleep(0.01)
+
+
+def left_in_tmpdir(path) -> list[str]:
+    """What a job run with ``TMPDIR=path`` left there, less torch's own compile cache folder
+    (``torchinductor_<user>``, made by importing ``torch._dynamo``, as the warm template does ahead
+    for every rank): the launcher's temporary folders must all be gone."""
+    return sorted(p.name for p in path.iterdir() if not p.name.startswith("torchinductor_"))

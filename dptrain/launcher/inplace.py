@@ -71,7 +71,7 @@ from typing import Any, Callable
 from dptrain.runtime import settings as _settings
 from dptrain.runtime.heartbeat import STEP_STOP_SIGNAL, describe_exit, keys_prefix, recovery_key, where
 from dptrain.runtime.join import ranks_text
-from dptrain.launcher import store_values, template
+from dptrain.launcher import store_values
 from dptrain.launcher.resize import ENTRY_WAIT_S, Nodes, start_beat
 from dptrain.launcher.spare import Spares
 from dptrain.launcher.watch import Watch, heartbeat
@@ -163,7 +163,6 @@ class InPlaceRecovery:
         self.directory = _make_directory()
         job.janitor.tell("dir", self.directory)
         self.timeout_s: float = config.timeout or _settings.get("DPTRAIN_TIMEOUT")
-        self.spares: Spares | None = None
         self.why_not: tuple[str, str] | None = None  # (kind, message): why the last failure went the usual way
         self._said: set[str] = set()  # kinds of fallback already explained
         self._counts: dict[int, int] = {}  # generations of attempts that ended
@@ -180,28 +179,9 @@ class InPlaceRecovery:
         self.nodes: Nodes | None = None  # the job's nodes, while an attempt of several is watched
         self.joined_at = 0  # the generation this node's ranks started in (> 0: let into a running job)
         self._refill: tuple[int, int, float] | None = None  # a spare to start: (attempt, generation, since)
-        self._forks_late = False  # the template forked no rank of this attempt in time: the others start afresh
         self._beat: tuple[int, Any] | None = None  # (attempt, this node's beat), started before its ranks
 
     # -- set-up ------------------------------------------------------------------------------
-    def prepare(self, base_env: dict[str, str], ranks: int) -> None:
-        """Before the ranks of an attempt start: start the warm template (once) and ask it for a
-        process for each of this node's ``ranks`` (see ``rank_process``)."""
-        job, config = self.job, self.job.config
-        warm = _settings.get("DPTRAIN_WARM_TEMPLATE")  # see [Note: the warm template] in launcher.template
-        if (config.spares or warm) and self.spares is None:
-            forker = template.start(config.program, config.module, base_env, job.log, job.cmd) if warm else None
-            self.spares = Spares(config.spares, config.program, config.module, base_env,
-                                 started=lambda pid: job.janitor.tell("helper", pid),
-                                 ended=lambda pid: job.janitor.tell("forget", pid), log=job.log, template=forker,
-                                 rank_command=job.cmd)
-        self._forks_late = False
-        forker = self.spares.template if self.spares is not None else None
-        if forker is not None and forker.alive:
-            forker.pump()
-            for _ in range(ranks - len(self.spares.waiting) - len(forker.ready) - len(forker.pending)):
-                forker.request()  # one import for the node's ranks: see [Note: the warm template]
-
     def beat(self, attempt: int) -> None:
         """Across nodes: this launcher beats for ``attempt`` from now on (its store served), not
         only from its watch: its ranks may wait seconds for the template's imports, and node 0
@@ -209,28 +189,13 @@ class InPlaceRecovery:
         if self.job.config.nnodes > 1 and self._beat is None:
             self._beat = (attempt, start_beat(self.job, attempt))
 
-    def rank_process(self, environ: dict[str, str], stop: Callable[[], bool]) -> Any:
-        """A process that has imported torch and dptrain, made the rank ``environ`` describes: a
-        waiting hot spare, else one forked from the warm template (waited for until ``stop()``);
-        None when there is none (the rank then starts as a new interpreter)."""
-        if self.spares is None or self._forks_late:
-            return None
-        asked = time.monotonic()
-        proc = self.spares.take(stop=stop)
-        if proc is None:
-            # The template is gone (it said why), a fork failed (said), or it is too slow: the
-            # other ranks of this attempt do not wait for it again.
-            self._forks_late = True
-            if time.monotonic() - asked >= template.FORK_WAIT_S and not stop():
-                self.job.log(f"dptrain run: the warm template forked no rank in {template.FORK_WAIT_S:.0f} s; this "
-                             f"node's ranks start as new processes")
-            return None
-        return proc if self._assign(proc, environ) else None
+    @property
+    def spares(self) -> Spares | None:
+        """The node's hot spares and warm template (the job's, see ``template.WarmStarts``)."""
+        return self.job.warm.spares
 
     def _assign(self, proc: Any, environ: dict[str, str]) -> bool:
-        """Make the waiting ``proc`` (a spare, a fork) this node's rank of ``environ`` (see ``Spares.assign``)."""
-        config = self.job.config
-        return self.spares.assign(proc, environ, [config.program] + list(config.args))
+        return self.job.warm.assign(proc, environ)
 
     def started(self) -> None:
         """The ranks of an attempt are started (after ``prepare``): start (or top up) the hot spares."""
@@ -248,8 +213,6 @@ class InPlaceRecovery:
 
     def close(self) -> None:
         self._beat_for(-1)  # one started for an attempt that was never watched
-        if self.spares is not None:
-            self.spares.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
     # -- restarts ----------------------------------------------------------------------------

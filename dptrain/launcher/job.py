@@ -33,6 +33,7 @@ from dptrain.launcher.rendezvous import (RendezvousServer, exit_barrier, failed_
 from dptrain.launcher.preflight import preflight
 from dptrain.launcher.store import StoreClient, StoreError, StoreRefused
 from dptrain.launcher.tunnel import Forwarder, Gate
+from dptrain.launcher.template import WarmStarts
 from dptrain.launcher.store_values import Warnings, failure_text
 from dptrain.launcher.watch import Watch, peer_failure, publish
 from dptrain.launcher.workers import (RankProcess, error_file, finish_output, omp_threads, process_environ,
@@ -238,6 +239,7 @@ class _Job:
         self.ranks: list[RankProcess] = []
         self.watching: Watch | None = None  # the ranks of the current attempt
         self.recovery: InPlaceRecovery | None = None  # --recovery in-place
+        self.warm = WarmStarts(self)  # where the ranks come from: the warm template (see template.WarmStarts)
         self.server = None
         self.gate: Gate | None = None  # node 0 of a job with a secret: the way in from the network
         self.forwarder: Forwarder | None = None  # another node of such a job: its ranks' way to node 0
@@ -333,9 +335,10 @@ class _Job:
     def _open_store(self) -> None:
         """Serve the store (node 0) and connect this launcher's client to it (every node).
 
-        Node 0 calls it once the first ranks are started, so that with torch's server (which
-        imports torch, see ``RendezvousServer``) the ranks spend that second importing torch
-        themselves; the other nodes call it before their ranks start (a refusal starts none).
+        Node 0 calls it while the warm template imports, or (without a template) once the first
+        ranks are started, so that with torch's server (which imports torch, see
+        ``RendezvousServer``) the ranks spend that second importing torch themselves; the other
+        nodes call it before their ranks start (a refusal starts none).
         """
         if self.store is not None:
             return
@@ -363,9 +366,11 @@ class _Job:
         that generation of in-place recovery (see ``resize``)."""
         config = self.config
         self.ranks = []
-        if self.recovery is not None:  # the warm template forks the ranks: one import for the node
-            self.recovery.prepare(self.base_env, config.nproc_per_node)
+        # The warm template forks the ranks: one import of torch for the node (template.WarmStarts).
+        self.warm.prepare(self.base_env, config.nproc_per_node)
+        if self.warm.spares is not None or self.recovery is not None:
             self._open_store()  # (torch's store imports torch: while the template imports, not after it)
+        if self.recovery is not None:
             self.recovery.beat(attempt)  # in the store, while the ranks wait for the template
         for local in range(config.nproc_per_node):
             if self.signals.received:
@@ -382,7 +387,7 @@ class _Job:
             if joining:
                 environ["DPTRAIN_GENERATION"] = str(joining)
             logs = rank_log_files(self.log_dir, self.run_id, attempt, local, config.redirects, config.tee)
-            ready = self.recovery.rank_process(environ, self._interrupted) if self.recovery is not None else None
+            ready = self.warm.rank_process(environ, self._interrupted)
             if ready is None and self.signals.received:  # came while waiting for the template: none starts now
                 return
             proc = RankProcess(rank, local, self.cmd, environ, show, self.console, logs, proc=ready)
@@ -450,6 +455,7 @@ class _Job:
 
         if self.ranks:
             stop_processes(self.ranks, grace_s=0.5)
+        self.warm.close()
         if self.recovery is not None:
             self.recovery.close()
         if self.elastic is not None and self.elastic.coordinator:

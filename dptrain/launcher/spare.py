@@ -443,3 +443,4 @@ def _last_line(proc: subprocess.Popen) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+

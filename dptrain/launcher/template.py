@@ -6,8 +6,8 @@ Without it every rank is a new interpreter: starting Python and importing torch,
 ``torch._dynamo`` take seconds of CPU (3-4 s on a 2-core machine) per process. For a
 replacement every survivor waits that long -- the whole of what in-place recovery without a
 spare lost, about as much as restarting the whole job -- and a node of N ranks pays N imports
-at the start. ``dptrain run --recovery in-place`` therefore starts this process on each node
-before its ranks (``spare.command``, with the arguments ``PATH FD [outlive]``). It imports
+at the start and at every restart. ``dptrain run`` therefore starts this process on each node
+before its ranks (``WarmStarts``; ``spare.command``, with the arguments ``PATH FD [outlive]``). It imports
 what a hot spare imports (see [Note: what a spare imports ahead] in ``spare``) on its main
 thread, at the normal scheduling class since the job's first ranks wait for it, and then only
 forks: each child is a hot spare that reads its task from its stdin and runs the program as
@@ -73,12 +73,13 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from dptrain.runtime import proc as _proc
-from dptrain.launcher.spare import _last_line, _read_task, _warm_heap, _warm_up, command, run_task, spare_path0
+from dptrain.launcher.spare import (Spares, _last_line, _read_task, _warm_heap, _warm_up, command, run_task,
+                                   spare_path0)
 
-__all__ = ["Template", "ForkedProcess", "supported", "start", "main"]
+__all__ = ["Template", "ForkedProcess", "WarmStarts", "supported", "start", "main"]
 
 #: The template's exit code when it must not fork (the CUDA driver is loaded, see
 #: ``cuda_driver_loaded``); it says why on stderr.
@@ -494,3 +495,66 @@ class Template:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class WarmStarts:
+    """Where one launcher's ranks come from: forked from the node's warm template, or a waiting
+    hot spare; a new interpreter where neither is there (see [Note: the warm template]).
+
+    Every job has one (``job.warm``): the template saves a node of N ranks N - 1 imports of
+    torch at the start and all N at each restart. With ``--recovery in-place`` it also holds the
+    hot spares and forks the replacements (``spares``). ``DPTRAIN_WARM_TEMPLATE=0`` turns the
+    template off.
+    """
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self.spares: Spares | None = None
+        self._forks_late = False  # the template forked no rank of this attempt in time: the others start afresh
+
+    def prepare(self, base_env: dict[str, str], ranks: int) -> None:
+        """Before the ranks of an attempt start: start the warm template (once) and ask it for a
+        process for each of this node's ``ranks`` (see ``rank_process``)."""
+        from dptrain.runtime import settings as _settings
+
+        job, config = self.job, self.job.config
+        warm = _settings.get("DPTRAIN_WARM_TEMPLATE")
+        if (config.spares or warm) and self.spares is None:
+            forker = start(config.program, config.module, base_env, job.log, job.cmd) if warm else None
+            self.spares = Spares(config.spares, config.program, config.module, base_env,
+                                 started=lambda pid: job.janitor.tell("helper", pid),
+                                 ended=lambda pid: job.janitor.tell("forget", pid), log=job.log, template=forker,
+                                 rank_command=job.cmd)
+        self._forks_late = False
+        forker = self.spares.template if self.spares is not None else None
+        if forker is not None and forker.alive:
+            forker.pump()
+            for _ in range(ranks - len(self.spares.waiting) - len(forker.ready) - len(forker.pending)):
+                forker.request()  # one import for the node's ranks: see [Note: the warm template]
+
+    def rank_process(self, environ: dict[str, str], stop: Callable[[], bool]) -> Any:
+        """A process that has imported torch and dptrain, made the rank ``environ`` describes: a
+        waiting hot spare, else one forked from the warm template (waited for until ``stop()``);
+        None when there is none (the rank then starts as a new interpreter)."""
+        if self.spares is None or self._forks_late:
+            return None
+        asked = time.monotonic()
+        proc = self.spares.take(stop=stop)
+        if proc is None:
+            # The template is gone (it said why), a fork failed (said), or it is too slow: the
+            # other ranks of this attempt do not wait for it again.
+            self._forks_late = True
+            if time.monotonic() - asked >= FORK_WAIT_S and not stop():
+                self.job.log(f"dptrain run: the warm template forked no rank in {FORK_WAIT_S:.0f} s; this "
+                             f"node's ranks start as new processes")
+            return None
+        return proc if self.assign(proc, environ) else None
+
+    def assign(self, proc: Any, environ: dict[str, str]) -> bool:
+        """Make the waiting ``proc`` (a spare, a fork) this node's rank of ``environ`` (see ``Spares.assign``)."""
+        config = self.job.config
+        return self.spares.assign(proc, environ, [config.program] + list(config.args))
+
+    def close(self) -> None:
+        if self.spares is not None:
+            self.spares.close()

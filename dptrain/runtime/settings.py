@@ -181,7 +181,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _switch("DPTRAIN_RECOVERY_ADMIT", False, "with in-place recovery of a job of --nnodes MIN:MAX: a node that "
             "arrives while the job runs is let in at a step boundary (the ranks check for it after each optimizer "
             "step); set by dptrain run"),
-    _switch("DPTRAIN_WARM_TEMPLATE", True, "with dptrain run --recovery in-place: keep one process per node that "
+    _switch("DPTRAIN_WARM_TEMPLATE", True, "dptrain run: keep one process per node that "
             "has imported torch and dptrain (no rank, no device memory) and fork the node's ranks, a failed rank's "
             "replacement and the hot spares from it, in milliseconds instead of an interpreter start and seconds of "
             "imports; 0: ranks and a replacement without a hot spare start as new interpreters"),

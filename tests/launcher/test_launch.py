@@ -18,7 +18,7 @@ import dptrain
 import dptrain.comm
 import dptrain.launcher
 from dptrain.launcher import LaunchConfig, RankFailedError
-from tests._dist import run_ranks, wait_event
+from tests._dist import left_in_tmpdir, run_ranks, wait_event
 
 # Fresh ranks for every call (tests/_dist.py): these tests are about dptrain.spawn itself (how it
 # starts, stops and reports ranks), and one waits for a rank's process to exit.
@@ -105,7 +105,7 @@ def test_a_failing_rank_stops_the_job_and_is_named(tmp_path):
     # Ranks 0 and 2 would sleep 600 s: the job ends within dptrain_run's 60 s only if they were stopped.
     out = dptrain_run("--nproc-per-node", "3", os.path.join(SCRIPTS, "fail_one_rank.py"), "sleep",
                       env={"TMPDIR": str(tmp_path)})
-    assert not list(tmp_path.iterdir())  # the launcher's error-file directory is gone
+    assert not left_in_tmpdir(tmp_path)  # the launcher's error-file directory is gone
     assert out.returncode == 1
     assert "dptrain run: rank 1 (local rank 1" in out.stderr and "exited with code 1" in out.stderr
     assert "--- last lines of rank 1 ---" in out.stderr and "rank one is broken on purpose" in out.stderr
@@ -195,9 +195,17 @@ def test_max_restarts_restarts_the_whole_job():
     assert out.returncode == 0, out.stderr
     assert "rank 1 (local rank 1" in out.stderr and "exited with code 3" in out.stderr
     assert "restarting all ranks (restart 1 of 2)" in out.stderr
-    assert "[rank0] attempt 1 sum 2.0" in out.stdout and "[rank1] attempt 1 sum 2.0" in out.stdout
+    # The restarted ranks too are forked from the node's warm template (one import of torch for the node).
+    assert "[rank0] attempt 1 sum 2.0 forked True" in out.stdout and "[rank1] attempt 1 sum 2.0 forked True" in out.stdout
     gave_up = dptrain_run("--nproc-per-node", "2", os.path.join(SCRIPTS, "flaky.py"), "0")
     assert gave_up.returncode == 3 and "restarting" not in gave_up.stderr
+
+
+def test_without_the_warm_template_ranks_are_new_interpreters():
+    out = dptrain_run("--nproc-per-node", "2", "--max-restarts", "1", os.path.join(SCRIPTS, "flaky.py"), "1",
+                      env={"DPTRAIN_WARM_TEMPLATE": "0"})
+    assert out.returncode == 0, out.stderr
+    assert "[rank0] attempt 1 sum 2.0 forked False" in out.stdout and "[rank1] attempt 1 sum 2.0 forked False" in out.stdout
 
 
 @pytest.mark.parametrize(
@@ -225,7 +233,7 @@ def test_port_in_use_is_reported(tmp_path):
         out = dptrain_run("--master-port", str(port), os.path.join(SCRIPTS, "dump_env.py"),
                           env={"TMPDIR": str(tmp_path)})
     assert out.returncode == 2
-    assert not list(tmp_path.iterdir())
+    assert not left_in_tmpdir(tmp_path)
     assert f"port {port} on 127.0.0.1 is not available" in out.stderr and "--master-port" in out.stderr
 
 

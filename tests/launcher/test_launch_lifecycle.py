@@ -40,14 +40,15 @@ def children(pid: int) -> list[int]:
     return out
 
 
-#: How the job's ranks start: as new interpreters (restart mode), or forked from the warm template
-#: of in-place recovery, where the launcher adopts them and they do not die with the template.
-MODES = {"restart": [], "in-place": ["--recovery", "in-place", "--max-restarts", "1"]}
+#: How the job's ranks start: forked from the warm template, where the launcher adopts them and
+#: they do not die with the template (every job, "restart"; with in-place recovery, "in-place"),
+#: or as new interpreters ("fresh": DPTRAIN_WARM_TEMPLATE=0).
+MODES = {"restart": [], "in-place": ["--recovery", "in-place", "--max-restarts", "1"], "fresh": []}
 
 
 def start_job(tmp_path, mode="restart"):
     """A 2-rank job whose ranks each run a DataLoader worker; returns (launcher, pids)."""
-    env = dict(os.environ, TMPDIR=str(tmp_path))
+    env = dict(os.environ, TMPDIR=str(tmp_path), DPTRAIN_WARM_TEMPLATE="0" if mode == "fresh" else "1")
     proc = subprocess.Popen([sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", *MODES[mode], SLEEPY],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     pids = []
