@@ -145,6 +145,21 @@ def test_a_rank_that_dies_after_fit_returned_restarts_the_job_instead_of_waiting
         assert _same(finals[rank]["state"], ref["state"]), f"rank {rank}'s weights differ from the uninterrupted run's"
 
 
+def test_a_rank_that_dies_after_its_fit_but_before_rank_0s_ends_restarts_the_job_not_quietly(tmp_path, uninterrupted):
+    # The race of the two ranks' ends: rank 1 dies once its own fit has returned, while rank 0 is still
+    # in its fit's end (SLOW_FINISH) and has not said the training is over; the launcher replaces rank 1
+    # in place, and the replacement meets a finished job. It once exited 0: rank 1's code after fit
+    # (its final save) never ran and the job ended "complete". Now it asks for a restart of the job.
+    log = _run(tmp_path / "out", 2, "1:0:early:0", tmp_path / "ckpt", timeout=150, SLOW_FINISH="0:4")
+    assert "in-place recovery: replacement" in log, log  # the case under test: replaced before rank 0's end
+    assert "its training ended while this rank was replaced" in log, log
+    assert "restarting all ranks (restart" in log, log
+    finals = _finals(tmp_path / "out")
+    assert sorted(finals) == [0, 1], sorted(finals)  # rank 1's code after fit ran (in the restarted job)
+    for rank, ref in uninterrupted[2].items():
+        assert _same(finals[rank]["state"], ref["state"]), f"rank {rank}'s weights differ from the uninterrupted run's"
+
+
 def test_a_rank_killed_in_a_second_fit_is_still_replaced_in_place(tmp_path):
     # The end of the first fit is said in the store (see the test above); the second fit's start
     # takes it back, so a failure in the second one is recovered in place, not by a restart.

@@ -269,6 +269,7 @@ def test_a_member_that_stops_waiting_for_another_reason_leaves_no_wait_behind(wh
     else:
         ((when, exc),) = members.failed.values()
         assert isinstance(exc, _regroup.JobFinished if why == "finished" else TimeoutError), exc
+        assert why != "finished" or exc.newcomer is False  # a replacement: it must not end quietly (env)
         assert when - began < (0.5 if why == "finished" else 1.0)
     logged = capfd.readouterr().err
     assert "waitForInput" not in logged and "[c10d]" not in logged, logged[-2000:]

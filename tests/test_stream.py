@@ -261,9 +261,10 @@ def test_a_fit_stopped_inside_a_stream_epoch_ends_its_loader_workers_and_keeps_t
 
     from tests.scripts import train_stream as job
 
+    before = set(multiprocessing.active_children())  # (the test pool's ranks, in this process)
     trainer = job.build(203, 2)
     trainer.fit(max_steps=5)
-    assert multiprocessing.active_children() == []  # the two loader workers ended with fit
+    assert set(multiprocessing.active_children()) - before == set()  # the two loader workers ended with fit
     loader = trainer.train_loader
     assert loader.state_dict()["items"] == 5  # the position stays for a checkpoint
     with pytest.raises(RuntimeError, match="was closed after 5 item"):

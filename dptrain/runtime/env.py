@@ -199,6 +199,27 @@ def _prefixed(base: dist.Store, world: World, part: str) -> dist.Store:
     return _regroup.prefixed(base, world.launch_attempt, part)
 
 
+def _job_finished_while_joining(exc: "_regroup.JobFinished", keys: dist.Store) -> None:
+    """A process started to join a running job found its training over: end it (raises SystemExit).
+
+    A node let in too late has nothing left to do: exit 0. A replacement of a rank that died
+    after its own ``fit`` returned but before rank 0's had (a race of the two ranks' ends) must
+    not end quietly: the dead rank's code after ``fit`` (its final save, its evaluation) never
+    ran, and a job ending with code 0 would look complete. It asks its launcher to restart the
+    whole job (``recovery/fallback``, exit ``FALLBACK_EXIT``), which resumes from the newest
+    checkpoint, finds the training done, and runs every rank's code after ``fit``.
+    """
+    if exc.newcomer:
+        print(f"dptrain: {exc}; exiting", file=sys.stderr, flush=True)
+        raise SystemExit(0) from None
+    message = (f"in-place recovery is not possible: {exc} (its training ended while this rank was replaced); "
+               f"restarting the whole job from its newest checkpoint, so that every rank's code after fit runs")
+    with suppress(Exception):
+        keys.set("recovery/fallback", message)
+    print(f"dptrain: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(_regroup.FALLBACK_EXIT) from None
+
+
 def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
     """Connect to the store and create the process group, saying what it waits for if it waits."""
     generation = _settings.get("DPTRAIN_GENERATION")
@@ -210,9 +231,8 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
         _STATE.base_store = base
         try:
             _STATE.generation, here = _regroup.form(base, keys, world, backend, td, generation, since=generation)
-        except _regroup.JobFinished as exc:  # a node let in too late: nothing is left to do
-            print(f"dptrain: {exc}; exiting", file=sys.stderr, flush=True)
-            raise SystemExit(0) from None
+        except _regroup.JobFinished as exc:
+            _job_finished_while_joining(exc, keys)
         if here != world:  # a resize came between the launcher's start of this process and now
             _set_world_environ(here)
             _STATE.world = here  # init() takes it from here

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from dptrain.runtime import heartbeat as _heartbeat
 
 __all__ = ["generation_key", "newest_generation", "failure_after", "wait_for_generation", "form", "world_at",
-           "newcomers_ready", "JobFinished", "FINISHED", "announcement", "prefixed",
+           "newcomers_ready", "JobFinished", "FINISHED", "FALLBACK_EXIT", "announcement", "prefixed",
            "recording_connections", "cut_connections", "leave_if_broken", "on_leaving"]
 
 #: Written (rank 0) when a job that lets nodes in has finished: a newcomer still waiting to join exits.
@@ -192,7 +192,20 @@ def prefixed(base: Any, attempt: int, part: str) -> Any:
 
 
 class JobFinished(RuntimeError):
-    """A rank let into a running job arrived after the job had finished (see :data:`FINISHED`)."""
+    """A rank arrived to join a running job after the job's training had finished (see :data:`FINISHED`).
+
+    ``newcomer``: the rank is one of a node let in while the job ran, which has nothing left to
+    do; otherwise it replaces a rank that died, whose own code after ``fit`` never ran.
+    """
+
+    def __init__(self, message: str, newcomer: bool) -> None:
+        super().__init__(message)
+        self.newcomer = newcomer
+
+
+#: Exit code of a rank that cannot go on in place, after it wrote why under ``recovery/fallback``:
+#: its launcher restarts the whole job instead (``dptrain.launcher.inplace`` has the same number).
+FALLBACK_EXIT = 75
 
 
 def generation_key(generation: int) -> str:
@@ -374,7 +387,7 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
                     newer = True
                     break
                 if keys.check([FINISHED]):
-                    raise JobFinished(f"rank {here.rank}: the job finished before this rank could join it")
+                    raise JobFinished(f"rank {here.rank}: the job finished before this rank could join it", newcomer)
                 if time.monotonic() > deadline and not newcomer:
                     raise TimeoutError(
                         f"rank {here.rank}: only {count} of {here.world_size} ranks arrived for in-place recovery "

@@ -62,7 +62,7 @@ from dptrain.train import _transfer, resize, rollback
 __all__ = ["InPlaceRecovery", "in_place_requested", "is_replacement", "FALLBACK_EXIT"]
 
 #: Exit code of a rank that cannot recover in place (the launcher then restarts the whole job).
-FALLBACK_EXIT = 75
+FALLBACK_EXIT = _regroup.FALLBACK_EXIT
 #: The value of ``recovery/resizable/<rank>`` of a rank that can go on without a node but cannot take a
 #: new one in place (DiLoCo: a newcomer has no replica); the launcher then lets a node in at a restart.
 SHRINK_ONLY = "shrink"

@@ -10,7 +10,8 @@ Environment:
           forget: dies in the forward after deleting its rank's step snapshots, so its replacement has none;
           sync: dies right after starting a DiLoCo outer exchange, its bytes perhaps half sent),
           or init: right after dptrain.init() (a replacement that dies while it joins), or after: once
-          Trainer.fit has returned
+          Trainer.fit has returned on this rank and on rank 0, or early: once it has returned on this rank
+          (rank 0's may not have: see SLOW_FINISH)
   EPOCHS  epochs (default 2)
   FITS    ','-separated epoch counts: Trainer.fit to each in turn, in the one process (instead of EPOCHS)
   STRATEGY the Trainer's strategy (default: its own choice, "ddp")
@@ -20,6 +21,8 @@ Environment:
   SLOW    "rank:at:seconds": that rank's first process sleeps that long before the forward of each module,
           in its first forward of optimizer step ``at`` only, and writes how many of those sleeps it did
           to slow-rank<rank>.json once fit returns
+  SLOW_FINISH "rank:seconds": that rank's first process sleeps that long at the end of its first fit, after
+          the last step's collectives and before the fit says the training is over (recovery/finished)
   OWN_URG  set: the script handles SIGURG itself (dptrain then leaves that signal alone)
   STORM   a rank: its first process sends itself SIGURG (what dptrain run sends to stop a step) every
           millisecond while it trains
@@ -202,12 +205,17 @@ def main() -> None:
                       scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
     for spec in filter(None, os.environ.get("KILLS", "").split(";")):
         rank, gen, where, at = spec.split(":")
-        if where not in ("init", "after") and int(rank) == world.rank and int(gen) == GEN \
+        if where not in ("init", "after", "early") and int(rank) == world.rank and int(gen) == GEN \
                 and (GEN or not world.restart_count):
             arm(trainer, where, int(at))
     if os.environ.get("OWN_URG"):
         signal.signal(signal.SIGURG, lambda *args: None)
     slowed = slow(trainer, world.rank)
+    if os.environ.get("SLOW_FINISH") and not GEN and not world.restart_count:
+        who, seconds = os.environ["SLOW_FINISH"].split(":")
+        if int(who) == world.rank:
+            finish = trainer._recovery.finish
+            trainer._recovery.finish = lambda: (time.sleep(float(seconds)), finish())[1]
     storm(world.rank)
     for epochs in os.environ.get("FITS", "").split(",") if os.environ.get("FITS") else [os.environ.get("EPOCHS", "2")]:
         summary = trainer.fit(int(epochs))  # FITS: one fit after the other, each to its number of epochs
@@ -225,6 +233,8 @@ def main() -> None:
             while not _env._STATE.store.check([_regroup.FINISHED]) and time.monotonic() < deadline:
                 time.sleep(0.02)
             die(trainer, where)  # fit has returned on this rank and on rank 0
+        if where == "early" and int(rank) == world.rank and int(gen) == GEN and not world.restart_count:
+            die(trainer, where)  # fit has returned on this rank (rank 0's may be in SLOW_FINISH's sleep)
     state = {k: v.detach().clone() for k, v in bare(trainer).state_dict().items()}  # buffers too
     extra = {}
     if os.environ.get("STRATEGY") == "diloco":  # each rank's replica above; the replicas' common weights here
