@@ -89,14 +89,6 @@ def _run(tree: str, bench: str, args: argparse.Namespace, out: str) -> tuple[flo
     return ours["step_s"] / ref["step_s"], ours["cpu_s"] / ref["cpu_s"]
 
 
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="the commit to compare against (any git revision)")
@@ -131,7 +123,7 @@ def main() -> None:
         ratios: dict[str, dict[str, list[float]]] = {b: {"head": [], "base": []} for b in benches}
         cpus: dict[str, dict[str, list[float]]] = {b: {"head": [], "base": []} for b in benches}
         print(f"head: {head_name}; base: {args.base} ({base_sha[:10]}); {args.rounds} round(s); "
-              f"load average before: {_loadavg()}", flush=True)
+              f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
         for r in range(args.rounds):
             for bench in benches:
                 # Alternate which tree goes first, so a load that rises or falls over a round
@@ -143,8 +135,8 @@ def main() -> None:
                     ratios[bench][side].append(ratio)
                     cpus[bench][side].append(cpu)
                     print(f"  round {r + 1} {bench:6s} {side}: {ratio:.3f} (CPU {cpu:.3f}; {time.monotonic() - t0:.0f} s, "
-                          f"load {_loadavg().split()[0]})", flush=True)
-    print(f"\nload average after: {_loadavg()}\n")
+                          f"load {os.getloadavg()[0]:.2f})", flush=True)
+    print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}\n")
     print("Ratios ours / PyTorch (medians over the runs; a step is its slowest rank's), and of CPU time per step.\n")
     print("| benchmark | head | base | head / base | CPU: head | CPU: base | head runs | base runs |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 
@@ -119,7 +120,7 @@ def main() -> None:
     steps = args.steps or (3 if args.quick else 10)
     warmup = 1 if args.quick else 2
     tables = args.only or list(TABLES)
-    load = _loadavg()
+    load = ' '.join(f'{v:.2f}' for v in os.getloadavg())
     res = dptrain.spawn(_ranks, args.nprocs, args=(tables, steps, warmup))[0]
     print(f"{args.nprocs} ranks, gloo, 1 thread/rank; timed steps per variant: ResNet {steps}, MLP {2 * steps}; "
           f"warm-up {warmup}; load average before: {load}\n")
@@ -135,14 +136,6 @@ def main() -> None:
             json.dump({table: {label: {"step_s": t, "cpu_s": c, "ratio": t / next(
                 r[1] for r in res[table] if r[0] == TABLES[table][2])} for label, t, c, _ in res[table]}
                 for table in tables}, f, indent=1)
-
-
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

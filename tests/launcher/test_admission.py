@@ -8,6 +8,7 @@ A second local user is played by a forked child that drops to uid 65534 (needs r
 comes from a third network namespace (tests/launcher/test_auth.py's ``outsider``).
 """
 
+import contextlib
 import json
 import os
 import select
@@ -74,21 +75,28 @@ def test_addresses_count_as_a_host_and_ipv6_by_its_64():
     assert not any(is_loopback(a) for a in ("10.0.0.1", "::ffff:10.0.0.1", "2001:db8::1", "not an address"))
 
 
-def test_the_peers_uid_is_read_from_the_kernels_table():
-    if peer_uids([]) is None:
-        pytest.skip("no /proc/net/tcp here: the uid check is off")
+@contextlib.contextmanager
+def _loopback_pair():
+    """(the accepted socket, the client's address) of a connection on 127.0.0.1, closed after."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         client = socket.create_connection(listener.getsockname())
         accepted, remote = listener.accept()
         try:
-            assert peer_uids([(accepted.getsockname(), remote)]) == {remote: os.geteuid()}
-            gone = ("127.0.0.1", 1)  # nobody's socket
-            assert peer_uids([(accepted.getsockname(), gone)]) == {gone: None}
+            yield accepted, remote
         finally:
             client.close()
             accepted.close()
+
+
+def test_the_peers_uid_is_read_from_the_kernels_table():
+    if peer_uids([]) is None:
+        pytest.skip("no /proc/net/tcp here: the uid check is off")
+    with _loopback_pair() as (accepted, remote):
+        assert peer_uids([(accepted.getsockname(), remote)]) == {remote: os.geteuid()}
+        gone = ("127.0.0.1", 1)  # nobody's socket
+        assert peer_uids([(accepted.getsockname(), gone)]) == {gone: None}
 
 
 # -- a closed handshake or a wrong secret ---------------------------------------------------------
@@ -363,19 +371,11 @@ def _no_diag(pairs):
 
 
 def test_the_kernels_table_answers_where_sock_diag_cannot(monkeypatch):
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        client = socket.create_connection(listener.getsockname())
-        accepted, remote = listener.accept()
-        try:
-            pairs = [(accepted.getsockname(), remote), (accepted.getsockname(), ("127.0.0.1", 1))]
-            by_diag = peer_uids(pairs)
-            monkeypatch.setattr(_admission, "_uids_by_diag", _no_diag)
-            assert peer_uids(pairs) == by_diag == {remote: os.geteuid(), ("127.0.0.1", 1): None}
-        finally:
-            client.close()
-            accepted.close()
+    with _loopback_pair() as (accepted, remote):
+        pairs = [(accepted.getsockname(), remote), (accepted.getsockname(), ("127.0.0.1", 1))]
+        by_diag = peer_uids(pairs)
+        monkeypatch.setattr(_admission, "_uids_by_diag", _no_diag)
+        assert peer_uids(pairs) == by_diag == {remote: os.geteuid(), ("127.0.0.1", 1): None}
 
 
 def test_the_uid_check_is_off_where_the_kernel_lists_no_owners(monkeypatch):
