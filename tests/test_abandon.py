@@ -10,6 +10,7 @@ generation's entry into the store. Fresh rank processes: an abandoned group stay
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
@@ -33,7 +34,7 @@ def _left_hanging(rank):
     comm.all_reduce(t)  # the pairs are connected and used once
     if rank == 1:
         # Alive and silent until rank 0 has left the collective and the group.
-        store.wait(["test/rank0-done"], __import__("datetime").timedelta(seconds=TIMEOUT_S))
+        store.wait(["test/rank0-done"], datetime.timedelta(seconds=TIMEOUT_S))
         return None
     _regroup._group_sockets.clear()  # nothing left for the heartbeat thread to cut (as in the CI run)
     announce = threading.Timer(1.0, lambda: store.set(_regroup.generation_key(1), json.dumps(

@@ -43,5 +43,5 @@ def test_a_pooled_rank_killed_between_bodies_costs_a_new_world_not_the_next_test
         monkeypatch.setattr(_pool.World, "gone", lambda self: None)
     second = dict(run_ranks(_rank_and_pid, 2))
     assert sorted(second) == [0, 1] and second[1] != first[1] and second[0] != first[0], (first, second)
-    assert pool.discarded == discarded + 1 and f"rank 1" in pool.last_discard, pool.last_discard
+    assert pool.discarded == discarded + 1 and "rank 1" in pool.last_discard, pool.last_discard
     assert dict(run_ranks(_rank_and_pid, 2)) == second  # the new world is kept
