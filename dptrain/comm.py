@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from dptrain.runtime import diagnostics as _diagnostics, env
+from dptrain.runtime import abandon as _abandon, diagnostics as _diagnostics, env
 from dptrain.runtime import exit as _exit  # noqa: F401 - a clean end for a rank that runs collectives
 from dptrain.runtime.errors import CollectiveError, CollectiveMismatchError
 
@@ -177,12 +177,15 @@ def wait(work: Any, name: str, group: Any = None) -> Any:
         What ``work.wait()`` returned (a future's value).
 
     Raises:
-        CollectiveError: the collective failed or timed out (see :func:`guarded`).
+        CollectiveError: the collective failed or timed out (see :func:`guarded`); under
+            ``--recovery in-place`` also ``PeerLost`` once the launcher announced a peer's failure.
     """
     if work is None:
         return None
     with guarded(name, group):
-        return work.wait()
+        # Under in-place recovery, a wait that the backend never ends is left once a failure is
+        # announced (see [Note: a wait that gloo never ends] in dptrain.runtime.abandon).
+        return _abandon.wait(work, name, group)
 
 
 #: Bytes per flat broadcast of :func:`broadcast_coalesced` (PyTorch's DDP ``broadcast_bucket_size``).

@@ -16,6 +16,10 @@ What a test still gets, as with fresh ranks:
 * **The same failures.** A rank that raises, dies or hangs past the timeout gives the
   ``RankFailedError`` or ``TimeoutError`` that :func:`dptrain.spawn` gives (the same
   watcher reads the ranks), and the world is discarded: the next test gets a new one.
+  A rank that died while its world waited between bodies (killed from outside: a process
+  killed by a test beside it, the OOM killer) is not a test's failure: that world is
+  replaced before the body is handed to it, and a rank found gone as the body is sent
+  (its pipe broken) has the body sent once more, to a new world.
 * **No state left by an earlier body.** After every body each rank compares what a body
   could leave behind with what it was before: ``os.environ``, the working directory,
   signal handlers, the attributes of every ``dptrain``, ``torch.distributed`` and test module
@@ -202,6 +206,10 @@ def _pool_rank(rank, nprocs, port, conn, extra_env, backend, threads) -> None:
 # ---------------------------------------------------------------------- in the harness --
 
 
+class WorldGone(RuntimeError):
+    """A pooled rank had exited before a body was handed to it (see the module docstring)."""
+
+
 class World:
     """``nprocs`` pooled ranks, their store and their pipes."""
 
@@ -242,13 +250,21 @@ class World:
         server.serve()
         try:
             task = pickle.dumps((server.port, fn, tuple(args)))
-            for conn in self.conns:
-                conn.send_bytes(task)
+            for rank, conn in enumerate(self.conns):
+                try:
+                    conn.send_bytes(task)
+                except OSError as exc:  # BrokenPipeError: the rank is gone, the body was never run by it
+                    raise WorldGone(f"pooled rank {rank} was gone ({self.procs[rank].exitcode=})") from exc
             replies = _watch_spawned(self.procs, self.conns, timeout, OomRecord())
         finally:
             server.close()
         dirty = next((d for _, d in replies if d is not None), None)
         return [r for r, _ in replies], dirty
+
+    def gone(self) -> str | None:
+        """Why this world cannot run a body (a rank process ended while it waited), or None."""
+        ended = [(rank, p.exitcode) for rank, p in enumerate(self.procs) if not p.is_alive()]
+        return ", ".join(f"rank {r} exited with code {code}" for r, code in ended) or None
 
     def close(self) -> None:
         from dptrain.launcher.spawn import _Rank
@@ -274,15 +290,27 @@ class Pool:
         key = (nprocs, tuple(sorted((env or {}).items())), backend, threads)
         with self.lock:
             world = self.worlds.pop(key, None)
-            if world is None:
-                self._make_room(nprocs)
-                world = World(self.ctx, nprocs, dict(env or {}), backend, threads)
-                self.started += 1
-            try:
-                results, dirty = world.run(fn, args, timeout)
-            except BaseException as exc:
-                self._discard(world, f"{type(exc).__name__} in {getattr(fn, '__qualname__', fn)}")
-                raise
+            if world is not None and world.gone():
+                self._discard(world, f"before {getattr(fn, '__qualname__', fn)}: {world.gone()}")
+                world = None
+            while True:
+                reused = world is not None
+                if world is None:
+                    self._make_room(nprocs)
+                    world = World(self.ctx, nprocs, dict(env or {}), backend, threads)
+                    self.started += 1
+                try:
+                    results, dirty = world.run(fn, args, timeout)
+                except WorldGone as exc:
+                    self._discard(world, f"before {getattr(fn, '__qualname__', fn)}: {exc}")
+                    if not reused:
+                        raise  # a world just started lost a rank: not the pool's to hide
+                    world = None  # a rank of a kept world died at the last moment: the body goes to a new one
+                    continue
+                except BaseException as exc:
+                    self._discard(world, f"{type(exc).__name__} in {getattr(fn, '__qualname__', fn)}")
+                    raise
+                break
             if dirty is None:
                 self.worlds[key] = world  # the most recently used go last
             else:

@@ -32,7 +32,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("who am I", ("dptrain.environments",)),
     ("joining a job and talking in it",
      ("dptrain.runtime.env", "dptrain.runtime.join", "dptrain.comm", "dptrain.runtime.diagnostics",
-      "dptrain.runtime.regroup", "dptrain.runtime.interrupt")),
+      "dptrain.runtime.regroup", "dptrain.runtime.interrupt", "dptrain.runtime.abandon")),
     ("shared memory among a node's ranks", ("dptrain._shm",)),
     ("the parts a training program uses",
      ("dptrain.data", "dptrain.checkpoint", "dptrain.models", "dptrain.seeding", "dptrain.runtime.tensors")),

@@ -59,8 +59,6 @@ def _same_common(out, reference_out):
         assert _same(finals[rank]["common"], ref["common"]), f"rank {rank}'s outer weights differ"
 
 
-@pytest.mark.skip(reason="hung once in a fresh-clone CI run under xdist (a third kill's replacement, generation 3, "
-                         "never finished); an open bug of DiLoCo's in-place recovery, see the closing note of 2026-12-06")
 def test_diloco_recovers_in_place_bitwise_from_kills_mid_round_in_a_step_and_in_an_outer_exchange(tmp_path):
     ref, _ = _diloco(tmp_path, "ref", [], PLAIN, ckpt=True)
     # Rounds end at steps 4, 8, 12 (the epoch's last), ...: rank 1 dies mid-round (step 6's forward),

@@ -21,7 +21,8 @@ launcher's view of the job. Read the modules in the order a rank lives them:
 4. **When a peer fails.** :mod:`~dptrain.runtime.interrupt` stops the step being computed as
    soon as the launcher says a peer died; :mod:`~dptrain.runtime.proc` reads ``/proc`` to see
    whether a process lives or is already dying; :mod:`~dptrain.runtime.regroup` leaves the
-   broken process group and forms the next generation's (in-place recovery).
+   broken process group and forms the next generation's (in-place recovery);
+   :mod:`~dptrain.runtime.abandon` ends a wait for a collective that the failure left hanging.
 5. **The end.** :mod:`~dptrain.runtime.exit` lets gloo's worker threads finish before the
    interpreter does, so a rank that ran collectives exits without an abort.
 
@@ -33,6 +34,6 @@ each module when it first needs it. Import a module by its name here::
 """
 
 __all__ = [
-    "diagnostics", "env", "errors", "exit", "heartbeat", "interrupt", "join", "proc", "regroup", "settings",
+    "abandon", "diagnostics", "env", "errors", "exit", "heartbeat", "interrupt", "join", "proc", "regroup", "settings",
     "tensors", "torch_version",
 ]

@@ -60,7 +60,9 @@ _NO_DEADLINE_S = 7 * 24 * 3600.0  # the same for a rank of a node let in, which 
 # (not closed: gloo still owns the descriptors; its listening socket is left alone) before the
 # group is destroyed; both sides' collectives then fail at once. A descriptor is shut down only
 # while it still refers to the very socket noted (its inode), so a number reused since is never
-# touched. Linux only (/proc).
+# touched. Linux only (/proc). A descriptor gloo closed itself (it saw the peer's end) has nothing
+# left to cut even when gloo did not fail the collective running on it: a wait for an asynchronous
+# one is left by dptrain.runtime.abandon instead (see [Note: a wait that gloo never ends] there).
 #
 # [Note: a peer that goes silent]
 # A node that freezes or drops off the network (a kernel hang, a cut cable, power lost) closes
