@@ -53,9 +53,17 @@ ABANDONED: list[tuple[Any, Any]] = []
 _SLICE = datetime.timedelta(seconds=SLICE_S)
 
 
-def _watched() -> tuple[Any, int] | None:
-    """(store, generation) when in-place recovery may announce a failure to this rank, else None."""
+def _watched(group: Any) -> tuple[Any, int] | None:
+    """(store, generation) when in-place recovery may announce a failure to this rank and the wait
+    is gloo's, else None. Not NCCL's: its ``wait(timeout)`` treats a slice that ends before the
+    collective as the collective's timeout (and may abort the communicator); NCCL's own watchdog
+    ends a wait for a dead peer."""
     if _settings.get("DPTRAIN_RECOVERY") != "in-place":
+        return None
+    try:
+        if dist.get_backend(group) != "gloo":
+            return None
+    except (RuntimeError, ValueError):  # no group (any more): gloo's wait alone
         return None
     from dptrain.runtime import env
 
@@ -86,9 +94,9 @@ def _keep(group: Any, work: Any) -> None:
 def wait(work: Any, name: str, group: Any = None) -> Any:
     """``work.wait()``, abandoned once in-place recovery announces that a peer failed.
 
-    Outside in-place recovery (or for a handle that is not a ``torch.distributed`` work: a
-    future, a shared-memory collective's) this is ``work.wait()``. Call it inside
-    ``comm.guarded`` (``comm.wait`` does), which names the operation when it fails.
+    Outside in-place recovery, on a group that is not gloo's, or for a handle that is not a
+    ``torch.distributed`` work (a future, a shared-memory collective's) this is ``work.wait()``.
+    Call it inside ``comm.guarded`` (``comm.wait`` does), which names the operation when it fails.
 
     Args:
         work: what an ``async_op=True`` collective returned (or a future).
@@ -108,7 +116,7 @@ def wait(work: Any, name: str, group: Any = None) -> Any:
         >>> with comm.guarded("my all-reduce"):                      # doctest: +SKIP
         ...     abandon.wait(work, "my all-reduce")
     """
-    watched = _watched() if isinstance(work, dist.Work) else None
+    watched = _watched(group) if isinstance(work, dist.Work) else None
     if watched is None:
         return work.wait()
     store, generation = watched
