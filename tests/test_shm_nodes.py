@@ -33,7 +33,11 @@ def _run(env_extra, script=SCRIPT, ok=True):
         pytest.skip(f"two-namespace link not available: {reason}")
     env = dict(os.environ, STEPS="4", **env_extra)
     with netlink.TwoNodeLink("10gbit") as link:
-        results = link.run([script], nproc_per_node=2, timeout_s=240, env=env)
+        try:
+            results = link.run([script], nproc_per_node=2, timeout_s=240, env=env)
+        except TimeoutError as stuck:
+            pytest.fail(f"the two-node job did not end; each node's last output: "
+                        f"{[(o + e)[-6000:] for o, e in zip(stuck.outputs, stuck.errors)]}")
     out = "".join(r.stdout for r in results)
     if ok:
         assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
