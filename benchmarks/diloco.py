@@ -157,7 +157,8 @@ def _wrap(key: str, model: torch.nn.Module, opt, args):
     if key == "d":
         return model, dptrain.DiLoCo(model, opt, sync_every=args.stream_h, outer_lr=args.outer_lr,
                                      outer_momentum=args.outer_momentum, nesterov=True, num_fragments=args.fragments,
-                                     fragment_sync_delay=args.fragment_delay, compression=args.stream_compression)
+                                     fragment_sync_delay=args.fragment_delay, fragment_update_alpha=args.fragment_alpha,
+                                     compression=args.stream_compression)
     if key in ("floor", "alone"):
         return model, None
     raise ValueError(f"unknown variant {key!r}")
@@ -197,6 +198,12 @@ def _train(key: str, steps: int, rank: int, data, args, distributed: bool) -> di
         out["choice"] = net.compression_choice or ("fp32" if steps >= 14 else "not decided yet")
     if key not in ("floor", "alone"):
         out["val_loss"] = _val_loss(model, valid, args)
+    if diloco is not None:
+        # What the replicas would take away: every fragment synced once more (after the timed run, so
+        # neither its time nor its bytes are in the row's; they are kept apart here).
+        before = diloco.bytes_sent
+        diloco.sync_now()
+        out.update(val_loss_synced=_val_loss(model, valid, args), sync_now_bytes=diloco.bytes_sent - before)
     return out
 
 
@@ -225,6 +232,58 @@ def worker(args) -> None:
         with open(args.worker, "w") as fh:
             json.dump(runs, fh)
     dptrain.shutdown()
+
+
+def _loopback_rank(rank: int, args) -> dict:
+    """One of the two ranks of ``--loopback``: every variant in turn over this host's loopback."""
+    torch.set_num_threads(1)
+    dptrain.init(backend="gloo")
+    data = _text(args.num_stories)
+    runs = {}
+    for key in args.keys:
+        r = _train(key, args.steps, rank, data, args, distributed=True)
+        r["per_rank"] = comm.all_gather_object({k: r.get(k) for k in ("library_bytes", "val_loss", "val_loss_synced")})
+        runs[key] = r
+    return runs
+
+
+def loopback(args) -> int:
+    """``--loopback``: the variants' validation losses and DiLoCo's payload bytes, two ranks on this host.
+
+    No namespaces and no link: the losses do not depend on the link (every variant's numerics
+    are the same at any rate), so this is the quick way to compare settings. (a)'s payload per
+    step is what a ring all-reduce of its fp32 gradients sends, 2 (n-1)/n x 4 bytes an element.
+    Step times here are two ranks sharing this host's cores, not a measurement: none is printed.
+    """
+    args.keys = [k for k in args.keys if k != "floor"]
+    params = sum(p.numel() for p in _model(args).parameters())
+    print(f"diloco --loopback: GPT {args.depth}x{args.dim} ({params / 1e6:.2f}M parameters), {args.steps} steps, "
+          f"batch {args.batch}/rank x 2, AdamW lr {args.lr}; outer lr {args.outer_lr} momentum "
+          f"{args.outer_momentum}; (d): H={args.stream_h}, {args.fragments} fragments, delay {args.fragment_delay}, "
+          f"alpha {args.fragment_alpha}, {args.stream_compression}", flush=True)
+    runs = dptrain.spawn(_loopback_rank, 2, args=(args,), timeout=args.timeout)[0]
+    a_payload = 2 * (2 - 1) / 2 * 4 * params  # one ring all-reduce of fp32 gradients a step
+    a_loss = runs.get("a", {}).get("val_loss")
+    print("| variant | syncs | payload/rank/step | (a)'s payload / these | val loss (rank 0, rank 1) | vs (a) | "
+          "after sync_now() | vs (a) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for key, r in runs.items():
+        losses = [b["val_loss"] for b in r["per_rank"]]
+        loss = sum(losses) / len(losses)
+        lib = r["per_rank"][0].get("library_bytes")
+        payload = a_payload if key == "a" else (None if lib is None else lib / r["steps"])
+        cells = [_label(key, r), _maybe(r.get("num_syncs"), "{}"), _fmt_bytes(payload),
+                 _maybe(None if not payload else a_payload / payload, "{:.0f}x"),
+                 f"{loss:.4f} ({', '.join(f'{v:.4f}' for v in losses)})",
+                 _maybe(None if a_loss is None else loss / a_loss, "{:.4f}")]
+        synced = r.get("val_loss_synced")
+        cells += [_maybe(synced, "{:.4f}"), _maybe(None if a_loss is None or synced is None else synced / a_loss,
+                                                   "{:.4f}")]
+        print("| " + " | ".join(cells) + " |", flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "keys"}, "runs": runs}, fh, indent=1)
+    return 0
 
 
 # -------------------------------------------------------------------------- the driver --
@@ -322,7 +381,7 @@ def _goals(rows: list[dict]) -> list[str]:
 def _worker_argv(args, a_steps: int | None, out: str) -> list[str]:
     argv = [os.path.join(ROOT, "benchmarks", "diloco.py"), "--worker", out, "--variants", ",".join(args.wanted)]
     for name in ("dim", "depth", "heads", "block", "batch", "steps", "h", "stream_h", "fragments", "fragment_delay",
-                 "stream_compression", "outer_lr", "outer_momentum", "floor_steps", "num_stories", "val_windows", "lr",
+                 "fragment_alpha", "stream_compression", "outer_lr", "outer_momentum", "floor_steps", "num_stories", "val_windows", "lr",
                  "seed"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return argv + ["--a-steps", str(a_steps or 0)]
@@ -349,7 +408,8 @@ def driver(args) -> int:
     args.describe = (f"GPT {args.depth}x{args.dim} ({params / 1e6:.2f}M parameters), {args.block} bytes a sequence, "
                      f"batch {args.batch}/rank x 2 ranks, {args.steps} steps, AdamW lr {args.lr}; DiLoCo outer "
                      f"Nesterov SGD lr {args.outer_lr} momentum {args.outer_momentum}, (d): H={args.stream_h}, "
-                     f"{args.fragments} fragments, delay {args.fragment_delay}, {args.stream_compression}")
+                     f"{args.fragments} fragments, delay {args.fragment_delay}, alpha {args.fragment_alpha}, "
+                     f"{args.stream_compression}")
     print(f"diloco: {args.describe}; torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     alone = _train("alone", args.alone_steps, 0, _text(args.num_stories), args, distributed=False)
@@ -419,6 +479,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stream-h", type=int, help="(d)'s inner steps between two syncs of one fragment")
     ap.add_argument("--fragments", type=int, help="(d)'s fragments")
     ap.add_argument("--fragment-delay", type=int, help="(d)'s inner steps a fragment's sync overlaps")
+    ap.add_argument("--fragment-alpha", type=float, default=0.0,
+                    help="(d)'s weight of the local weights when a fragment takes the outer ones")
     ap.add_argument("--stream-compression", default="int4", choices=("fp32", "bf16", "int8", "int4"))
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate (c and d)")
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum (c and d)")
@@ -432,6 +494,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=1200, help="seconds one rate's job may take")
     ap.add_argument("--out", default=None, help="write every number as JSON here")
     ap.add_argument("--verbose", action="store_true", help="echo the nodes' output")
+    ap.add_argument("--loopback", action="store_true",
+                    help="no link: the two ranks on this host's loopback, validation losses and payload bytes only")
     ap.add_argument("--worker", metavar="OUT.json", help=argparse.SUPPRESS)  # one rank of the job
     args = ap.parse_args(argv)
     if args.worker is not None and args.a_steps is None:
@@ -462,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.loopback:
+        return loopback(args)
     return driver(args)
 
 

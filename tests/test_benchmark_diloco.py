@@ -116,3 +116,29 @@ def test_quick_run_across_a_shaped_link(tmp_path):
     runs = results["rates"]["100mbit"]["runs"]
     assert set(runs) == {"floor", "a", "b", "c2", "c5", "c10", "d"}
     assert all(len(r["per_rank"]) == 2 and all(b["tx_bytes"] > 0 for b in r["per_rank"]) for r in runs.values())
+
+
+def test_loopback_gives_the_losses_without_a_link(tmp_path):
+    """--loopback: both ranks on this host, no namespaces; the losses and DiLoCo's payload bytes."""
+    out = tmp_path / "loopback.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "diloco.py"), "--loopback", "--quick",
+                           "--variants", "a,d", "--out", str(out), "--timeout", "150"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| variant |"))
+    rows = {_cells(line)[0]: _cells(line) for line in lines[header + 2:] if line.startswith("|")}
+    assert list(rows) == ["(a) torch DDP fp32", "(d) streaming DiLoCo"]
+    a, d = rows["(a) torch DDP fp32"], rows["(d) streaming DiLoCo"]
+    params = sum(p.numel() for p in diloco._model(diloco.parse_args(["--quick"])).parameters())
+    assert _bytes(a[2]) == pytest.approx(4 * params, rel=1e-3)  # one fp32 ring all-reduce a step, 2 ranks
+    assert 0 < _bytes(d[2]) < _bytes(a[2]) and float(d[3].rstrip("x")) > 1
+    for cells in (a, d):
+        loss = float(cells[4].split()[0])
+        assert math.isfinite(loss) and 0 < loss < 10, cells
+    assert float(a[5]) == 1.0
+    synced = float(d[6])
+    assert math.isfinite(synced) and 0 < synced < 10
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"a", "d"}
+    assert runs["d"]["per_rank"][0]["val_loss_synced"] == runs["d"]["per_rank"][1]["val_loss_synced"]  # one model
