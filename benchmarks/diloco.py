@@ -115,12 +115,13 @@ def _model(args) -> GPT:
     return GPT(vocab=256, dim=args.dim, depth=args.depth, heads=args.heads, max_len=args.block)
 
 
-def _optimizer(model: torch.nn.Module, args):
-    """AdamW (decay on matrices only, as examples/char_gpt.py) with warmup + cosine to 10 %."""
+def _optimizer(model: torch.nn.Module, args, lr: float | None = None):
+    """AdamW (decay on matrices only, as examples/char_gpt.py) with warmup + cosine to 10 %; peak ``lr``
+    (default ``args.lr``)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.99))
+                            lr=args.lr if lr is None else lr, betas=(0.9, 0.99))
     warm = max(1, args.steps // 20)
 
     def factor(step: int) -> float:
@@ -168,7 +169,8 @@ def _train(key: str, steps: int, rank: int, data, args, distributed: bool) -> di
     """Train variant ``key`` for ``steps`` steps; its timings, bytes and losses."""
     train, valid = data
     model = _model(args)
-    opt, sched = _optimizer(model, args)
+    inner = args.inner_lr if key.startswith("c") or key == "d" else None
+    opt, sched = _optimizer(model, args, inner)
     net, diloco = _wrap(key, model, opt, args)
     losses = []
     if distributed:
@@ -221,7 +223,8 @@ def worker(args) -> None:
         steps = {"floor": args.floor_steps, "a": args.a_steps or args.steps}.get(key, args.steps)
         r = _train(key, steps, world.rank, data, args, distributed=True)
         # A step is as slow as its slower rank; the bytes and the losses are kept per rank.
-        both = comm.all_gather_object({k: r.get(k) for k in ("seconds", "tx_bytes", "library_bytes", "val_loss")})
+        both = comm.all_gather_object({k: r.get(k) for k in ("seconds", "tx_bytes", "library_bytes", "val_loss",
+                                                             "val_loss_synced", "sync_now_bytes")})
         r["per_rank"] = both
         r["seconds"] = max(b["seconds"] for b in both)
         runs[key] = r
@@ -258,7 +261,7 @@ def loopback(args) -> int:
     args.keys = [k for k in args.keys if k != "floor"]
     params = sum(p.numel() for p in _model(args).parameters())
     print(f"diloco --loopback: GPT {args.depth}x{args.dim} ({params / 1e6:.2f}M parameters), {args.steps} steps, "
-          f"batch {args.batch}/rank x 2, AdamW lr {args.lr}; outer lr {args.outer_lr} momentum "
+          f"batch {args.batch}/rank x 2, AdamW lr {args.lr} (DiLoCo's inner {args.inner_lr}); outer lr {args.outer_lr} momentum "
           f"{args.outer_momentum}; (d): H={args.stream_h}, {args.fragments} fragments, delay {args.fragment_delay}, "
           f"alpha {args.fragment_alpha}, {args.stream_compression}", flush=True)
     runs = dptrain.spawn(_loopback_rank, 2, args=(args,), timeout=args.timeout)[0]
@@ -310,7 +313,9 @@ def _rows(runs: dict, alone_s: float, ref: dict | None) -> list[dict]:
                "library_per_step": None if lib is None else sum(b["library_bytes"] for b in r["per_rank"])
                / len(r["per_rank"]) / r["steps"],
                "val_loss": sum(losses) / len(losses) if losses else None,
-               "val_spread": max(losses) - min(losses) if losses else None, "num_syncs": r.get("num_syncs")}
+               "val_spread": max(losses) - min(losses) if losses else None, "num_syncs": r.get("num_syncs"),
+               "val_loss_synced": r["per_rank"][0].get("val_loss_synced"),
+               "sync_now_bytes": r["per_rank"][0].get("sync_now_bytes")}
         rows.append(row)
     floor = next((row for row in rows if row["key"] == "floor"), None)
     for row in rows:  # on a shared machine, the same job's own no-communication steps are the fairer base
@@ -321,6 +326,8 @@ def _rows(runs: dict, alone_s: float, ref: dict | None) -> list[dict]:
         trains = row["key"] != "floor"  # the floor's bytes are the launchers' background, not a variant's
         row["bytes_vs_a"] = a["tx_per_step"] / row["tx_per_step"] if a and trains and row["tx_per_step"] else None
         row["loss_vs_a"] = row["val_loss"] / a_loss if a_loss and row["val_loss"] is not None else None
+        synced = row["val_loss_synced"]
+        row["synced_vs_a"] = synced / a_loss if a_loss and synced is not None else None
     if a is not None and ref is not None:
         a["val_loss"], a["loss_from"] = ref["val_loss"], ref["rate"]
         a["loss_vs_a"] = 1.0
@@ -342,8 +349,9 @@ def _print_table(rate: str, rows: list[dict], alone_s: float, args) -> None:
     print(f"\n{rate}: {args.describe}; compute-only step {alone_s * 1e3:.1f} ms (1 process alone, "
           f"{args.alone_steps} steps)")
     print("| variant | steps timed | mean step (ms) | rate vs compute-only | rate vs no-comm. in job | "
-          "bytes/rank/step (veth) | DiLoCo's count/step | (a)'s bytes / these | val loss | vs (a) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "bytes/rank/step (veth) | DiLoCo's count/step | (a)'s bytes / these | val loss | vs (a) | "
+          "after one more sync_now() (its payload) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         loss = "" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
         if row.get("loss_from"):
@@ -355,7 +363,11 @@ def _print_table(rate: str, rows: list[dict], alone_s: float, args) -> None:
                  _maybe(row["rate_vs_floor"], "{:.3f}"), _fmt_bytes(row["tx_per_step"]),
                  _fmt_bytes(row["library_per_step"]), _maybe(row["bytes_vs_a"], "{:.0f}x"), loss,
                  _maybe(row["loss_vs_a"], "{:.4f}")]
-        print("| " + " | ".join(cells) + " |")
+        synced = ""
+        if row["val_loss_synced"] is not None:
+            synced = (f"{row['val_loss_synced']:.4f}" + _maybe(row["synced_vs_a"], " ({:.4f} of (a))")
+                      + f" (+{_fmt_bytes(row['sync_now_bytes'])})")
+        print("| " + " | ".join(cells + [synced]) + " |")
 
 
 def _maybe(value: float | None, form: str) -> str:
@@ -373,16 +385,20 @@ def _goals(rows: list[dict]) -> list[str]:
         out.append(f"(d) {d['bytes_vs_a']:.0f}x fewer bytes than (a) (goal >= 400x): "
                    + ("met" if d["bytes_vs_a"] >= 400 else "not met"))
     if d["loss_vs_a"] is not None:
-        out.append(f"(d) validation loss {100 * (d['loss_vs_a'] - 1):+.2f} % against (a) (goal within 2 %): "
-                   + ("met" if abs(d["loss_vs_a"] - 1) <= 0.02 else "not met"))
+        # The goal is a cost bound: at most 2 % above (a)'s loss. Below (a)'s is met, not missed.
+        out.append(f"(d) validation loss {100 * (d['loss_vs_a'] - 1):+.2f} % against (a) (goal: at most +2 %): "
+                   + ("met" if d["loss_vs_a"] <= 1.02 else "not met"))
+        if d["synced_vs_a"] is not None:
+            out.append(f"(d) after one more sync_now() (+{_fmt_bytes(d['sync_now_bytes'])} a rank, not in the bytes "
+                       f"above): {100 * (d['synced_vs_a'] - 1):+.2f} % against (a)")
     return out
 
 
 def _worker_argv(args, a_steps: int | None, out: str) -> list[str]:
     argv = [os.path.join(ROOT, "benchmarks", "diloco.py"), "--worker", out, "--variants", ",".join(args.wanted)]
     for name in ("dim", "depth", "heads", "block", "batch", "steps", "h", "stream_h", "fragments", "fragment_delay",
-                 "fragment_alpha", "stream_compression", "outer_lr", "outer_momentum", "floor_steps", "num_stories", "val_windows", "lr",
-                 "seed"):
+                 "fragment_alpha", "stream_compression", "outer_lr", "outer_momentum", "floor_steps", "num_stories",
+                 "val_windows", "lr", "inner_lr", "seed"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return argv + ["--a-steps", str(a_steps or 0)]
 
@@ -406,7 +422,8 @@ def driver(args) -> int:
     torch.set_num_threads(1)
     params = sum(p.numel() for p in _model(args).parameters())
     args.describe = (f"GPT {args.depth}x{args.dim} ({params / 1e6:.2f}M parameters), {args.block} bytes a sequence, "
-                     f"batch {args.batch}/rank x 2 ranks, {args.steps} steps, AdamW lr {args.lr}; DiLoCo outer "
+                     f"batch {args.batch}/rank x 2 ranks, {args.steps} steps, AdamW lr {args.lr} (DiLoCo's "
+                     f"inner {args.inner_lr}); DiLoCo outer "
                      f"Nesterov SGD lr {args.outer_lr} momentum {args.outer_momentum}, (d): H={args.stream_h}, "
                      f"{args.fragments} fragments, delay {args.fragment_delay}, alpha {args.fragment_alpha}, "
                      f"{args.stream_compression}")
@@ -490,6 +507,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-stories", type=int, help="generated stories (the stream)")
     ap.add_argument("--val-windows", type=int, help="held-out windows of the validation loss")
     ap.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate")
+    ap.add_argument("--inner-lr", type=float, help="the DiLoCo variants' (c, d) AdamW peak learning rate "
+                    "(default: --lr, the same as every variant's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds one rate's job may take")
     ap.add_argument("--out", default=None, help="write every number as JSON here")
@@ -503,6 +522,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.inner_lr is None:
+        args.inner_lr = args.lr
     args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     hs = [int(h) for h in str(args.h).split(",") if h.strip()]
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]

@@ -51,6 +51,17 @@ def test_the_ranks_halves_make_the_global_batch_and_repeat():
     assert not torch.equal(diloco._batch(train, 4, 0, args)[0], x0)
 
 
+def test_the_loss_goal_bounds_the_cost_only():
+    """A (d) below (a)'s loss meets the goal (it once read |ratio - 1| <= 2 %, so 8 % better was 'not met')."""
+    row = {"key": "d", "rate_vs_compute": 0.97, "bytes_vs_a": 600.0, "loss_vs_a": 0.92, "synced_vs_a": None}
+    assert diloco._goals([row])[-1] == "(d) validation loss -8.00 % against (a) (goal: at most +2 %): met"
+    row["loss_vs_a"] = 1.021
+    assert diloco._goals([row])[-1].endswith("+2.10 % against (a) (goal: at most +2 %): not met")
+    row.update(synced_vs_a=0.9, sync_now_bytes=1.7e6)
+    assert diloco._goals([row])[-1] == "(d) after one more sync_now() (+1.70 MB a rank, not in the bytes above): " \
+                                       "-10.00 % against (a)"
+
+
 def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
@@ -82,13 +93,13 @@ def test_quick_run_across_a_shaped_link(tmp_path):
 
     lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| variant |"))
-    assert len(_cells(lines[header])) == 10
+    assert len(_cells(lines[header])) == 11
     rows = {}
     for line in lines[header + 2:]:
         if not line.startswith("|"):
             break
         cells = _cells(line)
-        assert len(cells) == 10, line
+        assert len(cells) == 11, line
         rows[cells[0]] = cells
     labels = list(rows)
     assert labels[0].startswith("no communication") and labels[1] == "(a) torch DDP fp32"
@@ -109,6 +120,12 @@ def test_quick_run_across_a_shaped_link(tmp_path):
     for label in ("(c) DiLoCo H=2", "(c) DiLoCo H=10", "(d) streaming DiLoCo"):
         assert _bytes(rows[label][6]) > 0  # DiLoCo's own count
         assert rows[label][7].endswith("x")
+    for label in ("(c) DiLoCo H=2", "(d) streaming DiLoCo"):  # the replicas' common model, after one sync_now()
+        synced = float(rows[label][10].split()[0])
+        assert math.isfinite(synced) and 0 < synced < 10, rows[label]
+    assert rows["(a) torch DDP fp32"][10] == ""
+    assert re.search(r"^- \(d\) validation loss [-+][\d.]+ % against \(a\) \(goal: at most \+2 %\): (met|not met)$",
+                     stdout, re.M)
     assert re.search(r"^- \(d\) step rate [\d.]+ of compute-only \(goal >= 0.95\): (met|not met)$", stdout, re.M)
 
     results = json.loads(out.read_text())
