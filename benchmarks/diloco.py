@@ -45,6 +45,11 @@ A smoke run (a tiny model, a few steps; about a minute)::
 
     python benchmarks/diloco.py --quick --rates 100mbit
 
+The validation losses alone, for comparing settings (no link, no namespaces: both ranks on this
+host's loopback; a run of (d) takes 1-4 minutes on 2 cores; losses equal the link runs')::
+
+    python benchmarks/diloco.py --loopback --variants a,d --outer-lr 1.0 --stream-h 80
+
 One rate through the link harness by hand (what the driver does for each rate)::
 
     python benchmarks/netlink.py --rate 100mbit -- benchmarks/diloco.py --worker /tmp/w.json --quick
@@ -427,7 +432,7 @@ def driver(args) -> int:
     args.describe = (f"GPT {args.depth}x{args.dim} ({params / 1e6:.2f}M parameters), {args.block} bytes a sequence, "
                      f"batch {args.batch}/rank x 2 ranks, {args.steps} steps, AdamW lr {args.lr} (DiLoCo's "
                      f"inner {args.inner_lr}); DiLoCo outer "
-                     f"Nesterov SGD lr {args.outer_lr} momentum {args.outer_momentum}, (d): H={args.stream_h}, "
+                     f"SGD lr {args.outer_lr}, Nesterov momentum {args.outer_momentum}, (d): H={args.stream_h}, "
                      f"{args.fragments} fragments, delay {args.fragment_delay}, alpha {args.fragment_alpha}, "
                      f"{args.stream_compression}")
     print(f"diloco: {args.describe}; torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
