@@ -45,7 +45,6 @@ import resource
 import signal
 import sys
 import threading
-import traceback
 import warnings
 from collections import OrderedDict
 
@@ -142,6 +141,7 @@ def _what_changed(before: dict, after: dict) -> str | None:
 
 def _pool_rank(rank, nprocs, port, conn, extra_env, backend, threads) -> None:
     """A pooled rank: join a job once (``port``: its store), then run bodies until told to stop."""
+    from dptrain.launcher.spawn import result_payload, send_failure
     from dptrain.launcher.workers import rank_environ
 
     os.environ.update(rank_environ(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs,
@@ -176,11 +176,7 @@ def _pool_rank(rank, nprocs, port, conn, extra_env, backend, threads) -> None:
             dptrain.init(backend=backend)
             result = fn(rank, *args)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the harness
-            tb = traceback.format_exc()
-            try:
-                conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", tb)))
-            except Exception:  # noqa: BLE001
-                pass
+            send_failure(conn, exc)
             os._exit(1)  # as a fresh rank does; the world is discarded
         try:
             env.shutdown()
@@ -196,11 +192,7 @@ def _pool_rank(rank, nprocs, port, conn, extra_env, backend, threads) -> None:
             dirty = "child processes still running"
         if dirty is None and _rss_bytes() > MAX_RSS_BYTES:
             dirty = f"{_rss_bytes() >> 20} MiB resident"
-        try:
-            payload = pickle.dumps(("ok", (result, dirty)))
-        except Exception as exc:  # noqa: BLE001 - an unpicklable return value is the test's bug
-            payload = pickle.dumps(("error", f"rank {rank} returned a value that cannot be sent back: {exc!r}", ""))
-        conn.send_bytes(payload)
+        conn.send_bytes(result_payload(rank, (result, dirty)))
 
 
 # ---------------------------------------------------------------------- in the harness --

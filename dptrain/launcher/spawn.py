@@ -59,6 +59,25 @@ __all__ = ["spawn"]
 # ---------------------------------------------------------------------------------------
 
 
+def result_payload(rank: int, result: Any) -> bytes:
+    """What a spawned (or pooled) rank sends its parent for ``result``: the pickle ("ok", result), or
+    an error naming the rank where the value cannot be pickled (the caller's bug, said as such)."""
+    try:
+        return pickle.dumps(("ok", result))
+    except Exception as exc:  # noqa: BLE001 - an unpicklable return value is the caller's bug
+        return pickle.dumps(("error", f"rank {rank} returned a value that cannot be sent back: {exc!r}", ""))
+
+
+def send_failure(conn: Any, exc: BaseException) -> None:
+    """Tell the parent, over ``conn``, that the body failed with ``exc`` (inside its ``except``:
+    the traceback is the one being handled); a parent that is gone is not an error here."""
+    tb = traceback.format_exc()
+    try:
+        conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", tb)))
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _spawn_entry(fn, rank, nprocs, port, args, conn, extra_env) -> None:
     os.environ.update(
         rank_environ(
@@ -75,18 +94,9 @@ def _spawn_entry(fn, rank, nprocs, port, args, conn, extra_env) -> None:
     # Results travel as plain pickles (bytes): multiprocessing's own pickler would share tensors
     # through file descriptors that vanish when this process exits.
     try:
-        result = fn(rank, *args)
-        try:
-            payload = pickle.dumps(("ok", result))
-        except Exception as exc:  # noqa: BLE001 - an unpicklable return value is the caller's bug
-            payload = pickle.dumps(("error", f"rank {rank} returned a value that cannot be sent back: {exc!r}", ""))
-        conn.send_bytes(payload)
+        conn.send_bytes(result_payload(rank, fn(rank, *args)))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        tb = traceback.format_exc()
-        try:
-            conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", tb)))
-        except Exception:  # noqa: BLE001
-            pass
+        send_failure(conn, exc)
         conn.close()
         os._exit(1)
     finally:
