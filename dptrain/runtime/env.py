@@ -215,7 +215,7 @@ def _job_finished_while_joining(exc: "_regroup.JobFinished", keys: dist.Store) -
     message = (f"in-place recovery is not possible: {exc} (its training ended while this rank was replaced); "
                f"restarting the whole job from its newest checkpoint, so that every rank's code after fit runs")
     with suppress(Exception):
-        keys.set("recovery/fallback", message)
+        keys.set(_regroup.FALLBACK, message)
     print(f"dptrain: {message}", file=sys.stderr, flush=True)
     raise SystemExit(_regroup.FALLBACK_EXIT) from None
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from dptrain.runtime import heartbeat as _heartbeat
 
 __all__ = ["generation_key", "newest_generation", "failure_after", "wait_for_generation", "form", "world_at",
-           "newcomers_ready", "JobFinished", "FINISHED", "FALLBACK_EXIT", "announcement", "prefixed",
+           "newcomers_ready", "JobFinished", "FINISHED", "FALLBACK_EXIT", "FALLBACK", "announcement", "prefixed",
            "recording_connections", "cut_connections", "leave_if_broken", "on_leaving"]
 
 #: Written (rank 0) when a job that lets nodes in has finished: a newcomer still waiting to join exits.
@@ -208,6 +208,8 @@ class JobFinished(RuntimeError):
 #: Exit code of a rank that cannot go on in place, after it wrote why under ``recovery/fallback``:
 #: its launcher restarts the whole job instead (``dptrain.launcher.inplace`` has the same number).
 FALLBACK_EXIT = 75
+#: The store key (under the attempt's dptrain keys) of that "why": its launcher reads it as ``recovery/fallback``.
+FALLBACK = "recovery/fallback"
 
 
 def generation_key(generation: int) -> str:

@@ -674,7 +674,7 @@ class InPlaceRecovery:
         _shm.discard_ahead()  # os._exit below: nothing else would remove it before the launcher does
         message = f"in-place recovery is not possible: {why}; restarting the whole job from its newest checkpoint"
         with contextlib.suppress(Exception):
-            env._STATE.store.set("recovery/fallback", message)
+            env._STATE.store.set(_regroup.FALLBACK, message)
         print(f"dptrain: rank {self.trainer.rank}: {message}", file=sys.stderr, flush=True)
         sys.stderr.flush()
         os._exit(FALLBACK_EXIT)  # no clean shutdown: the group is in an unknown state
