@@ -199,6 +199,22 @@ def main(argv: list[str] | None = None) -> int:
     return run_task(task, path0)
 
 
+#: What a script run by :func:`run_task` leaves: its globals (or the exception that ended it,
+#: whose traceback holds them), kept until the interpreter ends.
+#:
+#: [Note: a script's globals outlive the atexit handlers]
+#: In a fresh interpreter the script's module stays in ``sys.modules`` until finalization, so
+#: its objects (a model, an optimizer, PyTorch's DDP, each holding the process group) are
+#: dropped after the ``atexit`` handlers have run, among them
+#: :func:`dptrain.runtime.exit.settle_gloo_workers`. ``runpy`` instead returns (or raises out
+#: of) a module of its own that nothing holds: dropping it right there ran the process group's
+#: destructor while a gloo worker might still be letting go of the job's last collective. The
+#: destructor joins that worker holding the GIL, the worker waits for the GIL: the rank hung
+#: after its script ended (a two-node job of ``tests/test_shm_nodes.py``, about one exit in
+#: ten on a busy machine). Kept here, they go in the interpreter's order.
+_KEPT: list[Any] = []
+
+
 def run_task(task: dict, path0: str) -> int:
     """Become the rank ``task`` describes and run its program as ``__main__``; the exit code.
 
@@ -210,12 +226,16 @@ def run_task(task: dict, path0: str) -> int:
     _become(task, path0)
     try:
         if task.get("module"):
-            runpy.run_module(task["program"], run_name="__main__", alter_sys=True)
+            _KEPT.append(runpy.run_module(task["program"], run_name="__main__", alter_sys=True))
         else:
             # Absolute, as the interpreter makes a script's __file__ (Python >= 3.9).
-            runpy.run_path(os.path.abspath(task["program"]), run_name="__main__")
+            _KEPT.append(runpy.run_path(os.path.abspath(task["program"]), run_name="__main__"))
+    except SystemExit as ended:
+        _KEPT.append(ended)  # its traceback holds the script's frames, and they its globals
+        raise
     except Exception:  # noqa: BLE001 - shown as the interpreter shows a script's, without our frames
         etype, exc, tb = sys.exc_info()
+        _KEPT.append(exc)
         ours = (os.path.abspath(__file__), runpy.__file__)
         while tb is not None and (tb.tb_frame.f_code.co_filename in ours
                                   or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):

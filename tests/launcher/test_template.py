@@ -44,6 +44,17 @@ state = {
 }
 print(json.dumps(state), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
+
+
+class Held:
+    pass
+
+
+import atexit, weakref
+HELD = Held()  # held by the script's globals only
+# Made with globals of its own: a function of the script would hold the script's globals itself.
+report = eval('lambda ref: print(f"AT EXIT globals held {ref() is not None}", flush=True)', {})
+atexit.register(report, weakref.ref(HELD))
 how = sys.argv[1]
 if how == "raise":
     raise ValueError("the script's own error")
@@ -55,7 +66,8 @@ if how == "orphan":  # a process of its own (a DataLoader worker, say) that outl
                               stderr=subprocess.DEVNULL)
     print(json.dumps({"worker": worker.pid}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
-sys.exit(int(how))
+if how != "end":
+    sys.exit(int(how))
 '''
 
 
@@ -142,6 +154,18 @@ def test_a_childs_exception_and_signal_are_reported_as_a_scripts(template):
     assert "runpy" not in err and "template.py" not in err and "spare.py" not in err  # none of our frames
     code, _, _ = _run(template, "kill")
     assert code == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("how", ["end", "0", "raise"])
+def test_a_scripts_globals_are_dropped_after_the_atexit_handlers_as_in_a_fresh_interpreter(template, how):
+    # In that order the exit waits for the gloo workers (dptrain.runtime.exit) before the objects
+    # that hold the process group go; dropped first, a rank could hang after its script ended.
+    fresh = subprocess.run([sys.executable, template.program, how], env=dict(os.environ, X="rank"),
+                           capture_output=True, text=True, timeout=120, cwd=template.folder)
+    lines = []
+    _run(template, how, lines_out=lines)
+    for seen in (fresh.stdout.splitlines()[1:], lines[1:]):
+        assert seen == ["AT EXIT globals held True"], (seen, fresh.stdout, lines)
 
 
 def _parent_and_state(pid):
