@@ -19,7 +19,9 @@ What a test still gets, as with fresh ranks:
   A rank that died while its world waited between bodies (killed from outside: a process
   killed by a test beside it, the OOM killer) is not a test's failure: that world is
   replaced before the body is handed to it, and a rank found gone as the body is sent
-  (its pipe broken) has the body sent once more, to a new world.
+  (its pipe broken) has the body sent once more, to a new world. A rank past the timeout
+  first writes where each of its threads is (``faulthandler``), and the ``TimeoutError``
+  carries it: a hang that shows once in many runs is named by the run it showed in.
 * **No state left by an earlier body.** After every body each rank compares what a body
   could leave behind with what it was before: ``os.environ``, the working directory,
   signal handlers, the attributes of every ``dptrain``, ``torch.distributed`` and test module
@@ -45,12 +47,17 @@ import resource
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections import OrderedDict
 
 MAX_RANKS_ALIVE = 9
 MAX_RSS_BYTES = 1536 * 2**20  # a rank that grew past this is retired, so a long run does not swap
 START_TIMEOUT_S = 120.0  # for the world's own start, apart from the test's timeout
+# A stalled rank's threads are dumped on this signal (one no test or library here uses) into
+# a file of its own; the harness reads it into the TimeoutError.
+_DUMP_SIGNAL = signal.SIGRTMIN + 7
+_DUMP_WAIT_S = 2.0
 
 # What the ranks compare between bodies: modules whose names start with these.
 _WATCHED_MODULES = ("dptrain", "torch.distributed", "tests")
@@ -141,13 +148,22 @@ def _what_changed(before: dict, after: dict) -> str | None:
 
 def _pool_rank(rank, nprocs, port, conn, extra_env, backend, threads) -> None:
     """A pooled rank: join a job once (``port``: its store), then run bodies until told to stop."""
+    import faulthandler
+
     from dptrain.launcher.spawn import result_payload, send_failure
     from dptrain.launcher.workers import rank_environ
+
+    faulthandler.register(_DUMP_SIGNAL, file=open(_stacks_path(os.getpid()), "w"), all_threads=True)
 
     os.environ.update(rank_environ(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs,
                                    node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=port,
                                    run_id="pool"))
     os.environ.update(extra_env)
+    # A forkserver child inherits "forkserver" as its start method; a rank under dptrain run or
+    # torchrun has the platform's default (fork on Linux before Python 3.14), and so its
+    # DataLoader's workers are forked, not started through a fork server of their own (its
+    # first start alone took 2-3 s of each test that loads with workers).
+    mp.set_start_method(None, force=True)
     import torch
 
     import dptrain
@@ -196,6 +212,12 @@ def _pool_rank(rank, nprocs, port, conn, extra_env, backend, threads) -> None:
 
 
 # ---------------------------------------------------------------------- in the harness --
+
+
+def _stacks_path(pid: int) -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"dptrain-pool-stacks-{pid}")
 
 
 class WorldGone(RuntimeError):
@@ -247,11 +269,32 @@ class World:
                     conn.send_bytes(task)
                 except OSError as exc:  # BrokenPipeError: the rank is gone, the body was never run by it
                     raise WorldGone(f"pooled rank {rank} was gone ({self.procs[rank].exitcode=})") from exc
-            replies = _watch_spawned(self.procs, self.conns, timeout, OomRecord())
+            try:
+                replies = _watch_spawned(self.procs, self.conns, timeout, OomRecord())
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc}\n\n{self._stacks()}") from None
         finally:
             server.close()
         dirty = next((d for _, d in replies if d is not None), None)
         return [r for r, _ in replies], dirty
+
+    def _stacks(self) -> str:
+        """Where every thread of each rank still running is (read after a timeout)."""
+        alive = [(rank, p) for rank, p in enumerate(self.procs) if p.is_alive()]
+        for _, p in alive:
+            try:
+                os.kill(p.pid, _DUMP_SIGNAL)
+            except ProcessLookupError:
+                pass
+        time.sleep(_DUMP_WAIT_S)  # a rank writes its dump within milliseconds, even a busy one
+        parts = []
+        for rank, p in alive:
+            try:
+                with open(_stacks_path(p.pid)) as f:
+                    parts.append(f"--- threads of rank {rank} (pid {p.pid}) ---\n{f.read()}")
+            except OSError as exc:
+                parts.append(f"--- rank {rank}: no dump ({exc}) ---")
+        return "\n".join(parts)
 
     def gone(self) -> str | None:
         """Why this world cannot run a body (a rank process ended while it waited), or None."""
@@ -266,6 +309,11 @@ class World:
             conn.close()  # an idle rank reads EOF and leaves
         stop_processes([_Rank(p) for p in self.procs])
         self.server.close()
+        for p in self.procs:
+            try:
+                os.remove(_stacks_path(p.pid))
+            except OSError:
+                pass
 
 
 class Pool:
