@@ -96,3 +96,32 @@ def test_the_exit_wait_sees_gloo_workers_and_returns_once_they_are_idle():
     assert int(count) >= 1, f"no gloo worker thread found in a process with a gloo group: {out.stdout}"
     assert ok == "True" and states == "['S']", out.stdout
     assert float(took) < 1.0, out.stdout
+
+
+
+def _settled_at_shutdown(rank):
+    import torch
+    import torch.distributed as dist
+
+    import dptrain
+    from dptrain.runtime import exit as _exit
+
+    dist.all_reduce(torch.ones(4))
+    calls, real = [], _exit.settle_gloo_workers
+    _exit.settle_gloo_workers = lambda *a, **k: calls.append(real(*a, **k)) or calls[-1]
+    try:
+        dptrain.shutdown()
+    finally:
+        _exit.settle_gloo_workers = real
+    return calls
+
+
+def test_shutdown_waits_for_the_gloo_workers_on_every_torch():
+    # The group object outlives destroy_process_group while PyTorch's DDP or a cycle holds it;
+    # its destructor, run later under the GIL (a model dropped, a garbage collection), joins
+    # workers that may still need the GIL to let go of the last collective: a hang (a pooled
+    # rank of test_ddp_mixed_precision, in the collection after shutdown). Workers seen idle
+    # before the destroy need it no more (dptrain.runtime.exit).
+    from tests._dist import run_ranks
+
+    assert run_ranks(_settled_at_shutdown, 2) == [[True], [True]]

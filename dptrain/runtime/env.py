@@ -493,7 +493,7 @@ def shutdown() -> None:
     for release in list(_AT_SHUTDOWN):
         release()
     if _STATE.owns_group and dist.is_initialized():
-        _exit.settle_before_destroy()  # torch < 2.8 could hang here otherwise (see dptrain.runtime.exit)
+        _exit.settle_before_destroy()  # the group may be dropped later, holding the GIL (see dptrain.runtime.exit)
         dist.destroy_process_group()
     _STATE.world = None
     _STATE.backend = None

@@ -31,6 +31,16 @@ idle native threads sleep too, and a busy one only costs the wait its limit. And
 may need the GIL to drop a tensor: the rank hangs in ``dptrain.shutdown`` (7 of 10 pinned
 2-rank jobs on torch 2.4.1; PyTorch's fix is pytorch/pytorch#154976).
 :func:`settle_before_destroy` waits for the workers first there.
+
+[Note: a group outlives its destroy]
+On every torch the group object itself lives on after ``destroy_process_group`` while anything
+holds it: PyTorch's DDP, a subgroup, a reference cycle. Where that last holder goes (a model
+dropped, the garbage collector run by any allocation) the group's destructor joins its workers
+holding the GIL, and a worker still letting go of the last collective waits for the GIL: the
+rank hangs, its script done (seen in the test pool: a collection in the bodies' bookkeeping after
+``shutdown``, 1 body in ~20 under load, torch 2.13). So :func:`settle_before_destroy` waits for
+the workers on every torch, not only on those whose destroy holds the GIL: once idle, a worker
+needs the GIL no more.
 """
 
 from __future__ import annotations
@@ -49,7 +59,6 @@ __all__ = ["settle_gloo_workers", "settle_before_destroy", "SETTLE_LIMIT_S"]
 SETTLE_LIMIT_S = 2.0
 _GLOO_WORKER = "pt_gloo_runloop"  # the name PyTorch gives a gloo process group's worker threads
 _NAMED_FROM = (2, 11)  # the first torch that names them so (see [Note: older torch])
-_GIL_FREE_DESTROY_FROM = (2, 8)  # the first torch whose group destruction releases the GIL
 _TASKS = "/proc/self/task"
 
 
@@ -81,14 +90,15 @@ def settle_gloo_workers(limit_s: float = SETTLE_LIMIT_S, quiet_s: float = 0.005)
 
 
 def settle_before_destroy() -> None:
-    """Before torch 2.8: wait for the gloo workers before destroying a group, so that none needs
-    the GIL that ``destroy_process_group`` holds (see [Note: older torch]). Later torch: nothing.
+    """Wait for the gloo workers before a group is destroyed, so that none still needs the GIL
+    when the group's destructor joins them (see [Note: a group outlives its destroy]).
+
+    Costs a few milliseconds where the workers are idle, at most :data:`SETTLE_LIMIT_S`.
 
     Example:
         >>> settle_before_destroy(); dist.destroy_process_group()   # doctest: +SKIP
     """
-    if _torch_version.older_than(_GIL_FREE_DESTROY_FROM):
-        settle_gloo_workers()
+    settle_gloo_workers()
 
 
 def _gloo_workers(unnamed: bool = False) -> dict[str, tuple[str, str]]:
