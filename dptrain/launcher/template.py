@@ -16,7 +16,9 @@ node, and no second import competing with the training for the CPU later); a for
 milliseconds where an interpreter takes seconds, so one template serves any number of
 replacements, and ``--spares N`` are forked from it too. Turn it off with
 ``DPTRAIN_WARM_TEMPLATE=0`` (ranks, and a replacement without a spare, then start new
-interpreters).
+interpreters). A script whose every import names a module of the standard library (a
+check of the hosts, a test of the launcher) gets no template: what it imports ahead would
+only delay such a script's ranks, by the seconds the imports take (``standard_library_only``).
 
 What makes a forked child the process a fresh start would have made:
 
@@ -100,6 +102,50 @@ def supported() -> bool:
     there; macOS's system libraries are not fork-safe), and descriptors passed over a Unix socket."""
     return (sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(socket, "send_fds")
             and hasattr(socket, "SOCK_SEQPACKET"))
+
+
+#: Calls through which a script imports what its source does not name: it may need torch.
+_DYNAMIC_IMPORTS = frozenset({"__import__", "import_module", "run_module", "run_path", "exec", "eval"})
+
+
+def standard_library_only(program: str, module: bool) -> bool:
+    """Whether the script ``program`` imports nothing but the standard library: every ``import``
+    and ``from ... import`` in its source (at any depth) names a module of it, and it calls none
+    of ``__import__``, ``importlib.import_module``, ``runpy``, ``exec`` or ``eval``. False for a
+    module (``-m``: finding its source would import its package), a relative import, a file that
+    cannot be read or parsed, and a Python without ``sys.stdlib_module_names`` (before 3.10).
+
+    Example:
+        >>> standard_library_only("train.py", False)   # doctest: +SKIP
+        False
+    """
+    names = getattr(sys, "stdlib_module_names", None)
+    if module or names is None:
+        return False
+    try:
+        import ast
+
+        with open(program, "rb") as fh:
+            tree = ast.parse(fh.read(1 << 22), program)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                return False
+            imported = [node.module or ""]
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if getattr(func, "id", getattr(func, "attr", None)) in _DYNAMIC_IMPORTS:
+                return False
+            continue
+        else:
+            continue
+        if any(name.partition(".")[0] not in names for name in imported):
+            return False
+    return True
 
 
 def start(program: str, module: bool, environ: dict[str, str], log: Callable[[str], None],
@@ -518,7 +564,7 @@ class WarmStarts:
         from dptrain.runtime import settings as _settings
 
         job, config = self.job, self.job.config
-        warm = _settings.get("DPTRAIN_WARM_TEMPLATE")
+        warm = _settings.get("DPTRAIN_WARM_TEMPLATE") and not standard_library_only(config.program, config.module)
         if (config.spares or warm) and self.spares is None:
             forker = start(config.program, config.module, base_env, job.log, job.cmd) if warm else None
             self.spares = Spares(config.spares, config.program, config.module, base_env,

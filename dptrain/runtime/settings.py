@@ -184,7 +184,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _switch("DPTRAIN_WARM_TEMPLATE", True, "dptrain run: keep one process per node that "
             "has imported torch and dptrain (no rank, no device memory) and fork the node's ranks, a failed rank's "
             "replacement and the hot spares from it, in milliseconds instead of an interpreter start and seconds of "
-            "imports; 0: ranks and a replacement without a hot spare start as new interpreters"),
+            "imports (not for a script that imports only the standard library); 0: ranks and a replacement without "
+            "a hot spare start as new interpreters"),
     Setting("DPTRAIN_GENERATION", "count", 0, "with in-place recovery: 0 for a rank started with the job, g for a "
             "replacement started for generation g of the process group; set by dptrain run", "1", high=1e9),
 )}

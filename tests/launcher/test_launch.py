@@ -208,6 +208,19 @@ def test_without_the_warm_template_ranks_are_new_interpreters():
     assert "[rank0] attempt 1 sum 2.0 forked False" in out.stdout and "[rank1] attempt 1 sum 2.0 forked False" in out.stdout
 
 
+def test_a_script_of_the_standard_library_alone_starts_without_importing_torch_ahead(tmp_path):
+    # Nothing for the template to import ahead: it would only delay the ranks by its imports.
+    script = tmp_path / "hosts.py"
+    script.write_text("import os, sys\n"
+                      "with open(f'/proc/{os.getppid()}/cmdline', 'rb') as fh:\n"
+                      "    forked = b'dptrain.launcher.template' in fh.read()\n"
+                      "print('rank', os.environ['RANK'], 'forked', forked, 'torch', 'torch' in sys.modules)\n")
+    out = dptrain_run("--nproc-per-node", "2", str(script))
+    assert out.returncode == 0, out.stderr
+    assert "[rank0] rank 0 forked False torch False" in out.stdout, out.stdout
+    assert "[rank1] rank 1 forked False torch False" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

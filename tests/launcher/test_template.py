@@ -343,3 +343,25 @@ print(json.dumps({{"adopts": tpl.adopts, "running": running, "ppid": ppid, "me":
     assert state["adopts"] and state["running"] and state["ppid"] == state["me"], state
     assert state["code"] == 7 and state["out"] == "still here\n", state
     assert len(state["lines"]) == 1 and "exited with code -9" in state["lines"][0], state
+
+
+@pytest.mark.skipif(not hasattr(sys, "stdlib_module_names"), reason="needs Python >= 3.10")
+@pytest.mark.parametrize("source, alone", [
+    ("import os, sys\nprint(os.environ['RANK'])\n", True),
+    ("import json\nfrom collections import abc\ndef f():\n    import socket.x\n", True),
+    ("import torch\n", False),
+    ("import os\ndef main():\n    import dptrain\n", False),  # at any depth
+    ("from numpy import random\n", False),
+    ("from . import helpers\n", False),  # its own package
+    ("import importlib\nimportlib.import_module('torch')\n", False),  # named at run time only
+    ("__import__('torch')\n", False),
+    ("import runpy\nrunpy.run_path('train.py')\n", False),
+    ("exec(open('train.py').read())\n", False),
+    ("def broken(:\n", False),  # the interpreter says so under the rank's name
+])
+def test_a_script_of_the_standard_library_alone_is_seen_as_such(tmp_path, source, alone):
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    assert template_module.standard_library_only(str(script), False) is alone
+    assert template_module.standard_library_only("pkg.train", True) is False  # -m: its source is not read
+    assert template_module.standard_library_only(str(tmp_path / "missing.py"), False) is False
