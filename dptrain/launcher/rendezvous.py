@@ -40,8 +40,43 @@ def wait_s(timeout: float | None) -> float:
     return timeout or DEFAULT_TIMEOUT_S
 
 
+#: Where :func:`free_port` draws from: below the kernel's ephemeral ports (32768 and up by
+#: default) and below the 29xxx ports that launchers default to (torchrun's 29500).
+FREE_PORTS = (15000, 29000)
+_EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
+    """A TCP port that is free on ``host`` right now, for a store that another process binds later.
+
+    Drawn at random (from the OS, not a seeded generator: two processes with the same seed
+    would draw the same port) from :data:`FREE_PORTS`, outside the kernel's ephemeral range:
+    a port the kernel hands out itself (``bind(0)``) may become the local end of any process's
+    next outgoing connection before its user binds it, and that store then fails with "address
+    in use" while its peers wait for it ("connection refused") until their timeout (seen in
+    tests/scripts/exit_stress.py on a busy machine). Where the ephemeral range overlaps that
+    span, or no drawn port is free, the kernel's choice.
+
+    Example:
+        >>> port = free_port()
+    """
+    import secrets
+
+    low, high = FREE_PORTS
+    try:
+        with open(_EPHEMERAL) as fh:
+            first_ephemeral = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    high = min(high, first_ephemeral)
+    for _ in range(64 if high > low else 0):
+        port = low + secrets.randbelow(high - low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

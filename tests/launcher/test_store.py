@@ -488,3 +488,25 @@ def test_a_counter_pushed_past_int64_or_set_to_text_keeps_working(server, capfd)
     other.set("text", "abc")  # not a counter yet: add counts it from 0, and says so
     assert other.add("text", 2) == 2 and other.get("text") == b"2"
     assert "held b'abc', not a number; `add` counted it from 0" in capfd.readouterr().err
+
+
+def test_a_free_port_is_one_the_kernel_does_not_hand_out_to_connections():
+    # A port from bind(0) is an ephemeral one: any process's next outgoing connection may take it
+    # before the store binds it, and the job's ranks then wait for a store that never came.
+    import random
+    import socket
+
+    from dptrain.launcher.rendezvous import FREE_PORTS, free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+        first_ephemeral = int(fh.read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) >= 18  # drawn from thousands
+    random.seed(0)  # a seeded generator does not decide it: two processes seeded alike draw different ports
+    first = [free_port() for _ in range(4)]
+    random.seed(0)
+    assert [free_port() for _ in range(4)] != first
+    for port in ports:
+        assert FREE_PORTS[0] <= port < min(FREE_PORTS[1], first_ephemeral), port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free indeed
