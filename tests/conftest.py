@@ -15,18 +15,24 @@ def pytest_report_header(config):
     return f"kill points (DPTRAIN_KILL_SEED={SEED}): " + ", ".join(f"rank {r} at batch {b}" for r, b in POINTS)
 
 
-# Under pytest-xdist (`make test` runs `-n auto --dist loadgroup` where it is installed) the tests
-# of these files run one after another on one worker, beside the other tests but never beside
-# each other: they use fixed ports (29xxx) or network namespaces with fixed addresses, look at
-# /dev/shm as a whole, or are races that need a CPU to themselves to show (test_clean_exit).
-SERIAL = {
-    "tests/test_clean_exit.py", "tests/test_netlink.py", "tests/test_shm_nodes.py", "tests/test_inplace_recovery.py",
-    "tests/launcher/test_auth.py", "tests/launcher/test_multinode.py", "tests/launcher/test_membership.py",
-    "tests/launcher/test_inplace_resize.py", "tests/launcher/test_elastic.py",
-    "tests/launcher/test_inplace_launcher.py", "tests/launcher/test_launch_lifecycle.py",
+# Under pytest-xdist (`make test` runs `-n JOBS --dist loadgroup` where it is installed) the tests
+# of each group below run one after another on one worker, beside the other tests but never
+# beside each other. NAMESPACES: two or three "nodes" in network namespaces with fixed
+# addresses and ports (benchmarks/netlink.py), and a look at /dev/shm as a whole.
+NAMESPACES = {
+    "tests/test_netlink.py", "tests/test_shm_nodes.py", "tests/launcher/test_auth.py",
+    "tests/launcher/test_multinode.py", "tests/launcher/test_inplace_resize.py", "tests/launcher/test_elastic.py",
     "tests/launcher/test_admission.py", "tests/test_diloco_inplace.py", "tests/parallel/test_diloco_nodes.py",
     "tests/test_benchmark_diloco.py",
 }
+# KILLS: jobs on loopback whose ranks are killed, stalled or raced at their exit at chosen
+# moments, and the launcher's own processes counted (test_clean_exit's races need a CPU to
+# themselves to show; two of these side by side would also read each other's processes).
+KILLS = {
+    "tests/test_clean_exit.py", "tests/test_inplace_recovery.py", "tests/launcher/test_membership.py",
+    "tests/launcher/test_inplace_launcher.py", "tests/launcher/test_launch_lifecycle.py",
+}
+SERIAL = NAMESPACES | KILLS
 
 
 # `make check` (-m "not slow"), the inner loop's subset, leaves these files out: each of their
@@ -66,8 +72,10 @@ def pytest_collection_modifyitems(config, items):
 
     for item in items:
         path = item.nodeid.split("::", 1)[0]
-        if path in SERIAL:
-            item.add_marker(pytest.mark.xdist_group("serial"))
+        if path in NAMESPACES:
+            item.add_marker(pytest.mark.xdist_group("namespaces"))
+        elif path in KILLS:
+            item.add_marker(pytest.mark.xdist_group("kills"))
         if path in SLOW or item.nodeid.startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
 
