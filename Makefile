@@ -31,10 +31,11 @@ demo: venv
 	@echo "(or call $(VENV)/bin/dptrain and $(VENV)/bin/python directly; README.md, Quick start)"
 
 # The whole suite, what CI runs. With pytest-xdist (a test dependency) the tests run on JOBS
-# workers (default: one per CPU); tests/conftest.py keeps the ones that must not overlap on one
-# worker. Without xdist they run one after another. `make check` is the inner loop's subset
-# (CONTRIBUTING.md).
-JOBS ?= auto
+# workers (default: one per CPU, and one more where there are only one or two: many tests wait
+# on a timeout, a peer or a killed rank, and a third worker computes meanwhile);
+# tests/conftest.py keeps the ones that must not overlap on one worker. Without xdist they run
+# one after another. `make check` is the inner loop's subset (CONTRIBUTING.md).
+JOBS ?= $(shell $(PY) -c "import os; n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1; print(n + 1 if n <= 2 else n)")
 XDIST = $(shell $(PY) -c "import xdist" >/dev/null 2>&1 && echo "-n $(JOBS) --dist loadgroup")
 
 test: venv
