@@ -172,11 +172,15 @@ def adopt_orphans() -> bool:
     return prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
-def parent_death_signal(launcher_pid: int):
+def parent_death_signal(launcher_pid: int, if_gone: int = signal.SIGKILL):
     """A ``preexec_fn`` that makes the child get SIGTERM when the launcher dies, or None.
 
     Runs in the child between fork and exec, so it only calls a function loaded before the
-    fork. If the launcher died before the call, the child is already orphaned: it stops.
+    fork. ``launcher_pid`` is the parent's pid as the parent knew it before the fork (the
+    child's ``os.getppid()`` is already another process's if the parent died first). If the
+    launcher died before the call, the child is already orphaned and no signal will come: it
+    sends itself ``if_gone`` (default SIGKILL: between fork and exec a Python handler of the
+    parent's for SIGTERM would not run; a child whose SIGTERM is the default may pass SIGTERM).
     """
     prctl = prctl_function()
     if prctl is None:
@@ -185,7 +189,7 @@ def parent_death_signal(launcher_pid: int):
     def preexec() -> None:
         prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != launcher_pid:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), if_gone)
 
     return preexec
 

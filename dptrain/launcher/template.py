@@ -187,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     from dptrain.launcher.janitor import adopt_orphans
 
     adopt_orphans()  # a child's orphans come here and are reaped (see _reap); not inherited by a fork
+    template = os.getpid()  # a forked child's parent, known here: once the template dies its getppid() is another's
     fds = _serve(sock, launcher)
     if fds is None:
         return 0
-    return _child(fds, path0, outlive)
+    return _child(fds, path0, outlive, template)
 
 
 def cuda_driver_loaded(maps: str = "/proc/self/maps") -> str:
@@ -308,13 +309,16 @@ def _send(sock: socket.socket, msg: dict) -> None:
         pass
 
 
-def _child(fds: list[int], path0: str, outlive: bool) -> int:
+def _child(fds: list[int], path0: str, outlive: bool, template: int) -> int:
     """In a forked child: become a process of its own, then a rank or a hot spare (see the Note).
-    ``outlive``: the launcher adopts it if the template dies, so it does not die with the template."""
+    ``outlive``: the launcher adopts it if the template dies, so it does not die with the template.
+    ``template``: the template's pid. The launcher hears of the fork as soon as it is made, and a
+    template killed before this child asked for the parent-death signal sends none: the child
+    ends with SIGTERM itself then, as the signal would have ended it."""
     from dptrain.launcher.janitor import parent_death_signal
 
     os.setsid()
-    stop_with_parent = None if outlive else parent_death_signal(os.getppid())
+    stop_with_parent = None if outlive else parent_death_signal(template, signal.SIGTERM)
     if stop_with_parent is not None:
         stop_with_parent()
     for target, fd in zip((0, 1, 2), fds):

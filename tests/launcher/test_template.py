@@ -365,3 +365,36 @@ def test_a_script_of_the_standard_library_alone_is_seen_as_such(tmp_path, source
     assert template_module.standard_library_only(str(script), False) is alone
     assert template_module.standard_library_only("pkg.train", True) is False  # -m: its source is not read
     assert template_module.standard_library_only(str(tmp_path / "missing.py"), False) is False
+
+
+#: A child whose parent dies before it asks for the parent-death signal (the template killed
+#: right after a fork): asking then sends nothing, so it must end itself. Its grandparent (this
+#: script, made their subreaper) reads how it ended.
+ORPHANED_AT_BIRTH = r'''
+import os, signal, sys, time
+from dptrain.launcher.janitor import adopt_orphans, parent_death_signal
+
+assert adopt_orphans()
+parent = os.fork()
+if parent == 0:
+    me = os.getpid()  # what the template knows of itself before it forks
+    child = os.fork()
+    if child == 0:
+        while os.getppid() == me:  # the parent dies first
+            time.sleep(0.005)
+        parent_death_signal(me, signal.SIGTERM)()
+        os._exit(0)  # not reached: the parent is gone, no signal will come
+    os._exit(0)
+os.waitpid(parent, 0)
+pid, status = os.wait()  # the orphan, re-parented to this process
+print(os.waitstatus_to_exitcode(status))
+'''
+
+
+def test_a_child_whose_template_died_before_it_asked_for_the_signal_ends_itself():
+    out = subprocess.run([sys.executable, "-c", ORPHANED_AT_BIRTH], capture_output=True, text=True, timeout=60,
+                         cwd=template_module.__file__.rsplit("/dptrain/", 1)[0])
+    if "AssertionError" in out.stderr:
+        pytest.skip("this kernel gives no child subreaper")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(-signal.SIGTERM), out.stdout
