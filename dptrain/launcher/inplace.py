@@ -194,9 +194,6 @@ class InPlaceRecovery:
         """The node's hot spares and warm template (the job's, see ``template.WarmStarts``)."""
         return self.job.warm.spares
 
-    def _assign(self, proc: Any, environ: dict[str, str]) -> bool:
-        return self.job.warm.assign(proc, environ)
-
     def started(self) -> None:
         """The ranks of an attempt are started (after ``prepare``): start (or top up) the hot spares."""
         if self.spares is not None:
@@ -362,7 +359,7 @@ class InPlaceRecovery:
         job.store.set(recovery_key(attempt, f"generation/{generation}"), json.dumps(entry))
         self._stop_steps(failed)  # as soon as the generation is announced: they re-form while the replacement starts
         environ = dict(failed.environ, DPTRAIN_GENERATION=str(generation))
-        if spare is not None and not self._assign(spare, environ):
+        if spare is not None and not self.job.warm.assign(spare, environ):
             spare = None
         new = RankProcess(failed.rank, failed.local_rank, failed.cmd, environ, failed.show, job.console, failed.logs,
                           proc=spare)

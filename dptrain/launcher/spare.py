@@ -463,4 +463,3 @@ def _last_line(proc: subprocess.Popen) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
-

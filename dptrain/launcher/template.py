@@ -543,10 +543,6 @@ class Template:
         self.proc.stderr.close()
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 class WarmStarts:
     """Where one launcher's ranks come from: forked from the node's warm template, or a waiting
     hot spare; a new interpreter where neither is there (see [Note: the warm template]).
@@ -568,13 +564,14 @@ class WarmStarts:
         from dptrain.runtime import settings as _settings
 
         job, config = self.job, self.job.config
-        warm = _settings.get("DPTRAIN_WARM_TEMPLATE") and not standard_library_only(config.program, config.module)
-        if (config.spares or warm) and self.spares is None:
-            forker = start(config.program, config.module, base_env, job.log, job.cmd) if warm else None
-            self.spares = Spares(config.spares, config.program, config.module, base_env,
-                                 started=lambda pid: job.janitor.tell("helper", pid),
-                                 ended=lambda pid: job.janitor.tell("forget", pid), log=job.log, template=forker,
-                                 rank_command=job.cmd)
+        if self.spares is None:  # the first attempt (or one with nothing to warm): decided once, not at each restart
+            warm = _settings.get("DPTRAIN_WARM_TEMPLATE") and not standard_library_only(config.program, config.module)
+            if config.spares or warm:
+                forker = start(config.program, config.module, base_env, job.log, job.cmd) if warm else None
+                self.spares = Spares(config.spares, config.program, config.module, base_env,
+                                     started=lambda pid: job.janitor.tell("helper", pid),
+                                     ended=lambda pid: job.janitor.tell("forget", pid), log=job.log,
+                                     template=forker, rank_command=job.cmd)
         self._forks_late = False
         forker = self.spares.template if self.spares is not None else None
         if forker is not None and forker.alive:
@@ -608,3 +605,7 @@ class WarmStarts:
     def close(self) -> None:
         if self.spares is not None:
             self.spares.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
