@@ -2,7 +2,9 @@
 them, and small embedded stand-ins when you do not.
 
 - :func:`load_digits_split` -- scikit-learn's bundled handwritten digits (1797 images, 8x8,
-  10 classes), split into train / dev / held-out test.
+  10 classes), split into train / dev / held-out test (:func:`stratified_split`), read
+  without importing scikit-learn.
+- :func:`roc_auc` -- the area under the ROC curve, for the SMILES classifier.
 - :func:`load_cifar10` -- the real CIFAR-10 "python version" batches
   (``data_batch_1`` .. ``data_batch_5``, ``test_batch``), read with a restricted unpickler.
 - :func:`read_bbbp_csv` -- a BBBP-format CSV (columns ``name``, ``p_np``, ``smiles``).
@@ -27,21 +29,87 @@ from torch.utils.data import TensorDataset
 # ----------------------------------------------------------------------------- digits --
 
 
+def _digits_file() -> str:
+    """Where scikit-learn keeps its bundled digits (``sklearn/datasets/data/digits.csv.gz``),
+    found without importing scikit-learn: the import costs each rank 1-2 s of CPU, more than
+    a short run's training on this data."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(root, "datasets", "data", "digits.csv.gz")
+        if os.path.exists(path):
+            return path
+    raise FileNotFoundError(
+        "the embedded digits come with scikit-learn, which is not installed here: "
+        "pip install scikit-learn (or pip install 'dptrain[examples]'), or train on CIFAR-10 files with --data-dir"
+    )
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The 1797 digits as (images (1797, 8, 8) float32 with values 0..16, labels (1797,) int64)."""
+    table = np.loadtxt(_digits_file(), delimiter=",", dtype=np.float32)  # 64 pixels, then the label
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
+
+
+def stratified_split(indices: Sequence[int], labels: Sequence[int], test_fraction: float,
+                     seed: int) -> tuple[list[int], list[int]]:
+    """Split ``indices`` into (rest, test), shuffled by ``seed``, each label in both parts in
+    about its overall proportion. ``test`` holds ceil(test_fraction * n) of the n indices (as
+    scikit-learn's ``train_test_split`` sizes it); ``labels[k]`` is the label of ``indices[k]``.
+    The same on every rank for the same arguments.
+    """
+    indices, labels = np.asarray(indices), np.asarray(labels)
+    n = len(indices)
+    n_test = int(np.ceil(test_fraction * n))
+    if not 0 < n_test < n:
+        raise ValueError(f"test_fraction={test_fraction} leaves no sample on one side of {n}")
+    classes, counts = np.unique(labels, return_counts=True)
+    # Each class's share of the test part, rounded down; what rounding left goes one each to
+    # the classes with the largest remainders (the first such class first).
+    exact = counts * n_test / n
+    take = np.floor(exact).astype(np.int64)
+    for k in np.argsort(-(exact - take), kind="stable")[: n_test - int(take.sum())]:
+        take[k] += 1
+    rng = np.random.RandomState(seed)
+    rest, test = [], []
+    for c, t in zip(classes, take):
+        members = indices[labels == c]
+        members = members[rng.permutation(len(members))]
+        test.extend(members[:t].tolist())
+        rest.extend(members[t:].tolist())
+    return [rest[i] for i in rng.permutation(len(rest))], [test[i] for i in rng.permutation(len(test))]
+
+
+def roc_auc(labels: Sequence[float], scores: Sequence[float]) -> float:
+    """Area under the ROC curve of ``scores`` for the binary ``labels`` (0/1): the chance that a
+    random positive scores above a random negative, ties counted half (Mann-Whitney U). NaN
+    when one class is missing."""
+    labels, scores = np.asarray(labels, dtype=np.float64) > 0.5, np.asarray(scores, dtype=np.float64)
+    positives = int(labels.sum())
+    negatives = len(labels) - positives
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores), dtype=np.float64)
+    sorted_scores = scores[order]
+    # Average rank (1-based) of each run of equal scores.
+    starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    ends = np.r_[starts[1:], len(scores)]
+    for a, b in zip(starts, ends):
+        ranks[order[a:b]] = (a + b + 1) / 2.0
+    return float((ranks[labels].sum() - positives * (positives + 1) / 2.0) / (positives * negatives))
+
+
 def load_digits_split(seed: int, test_fraction: float = 0.2, dev_fraction: float = 0.1):
     """scikit-learn's 8x8 digits as (train, dev, test) TensorDatasets of (1x8x8 float image, label).
 
     The split is stratified and depends only on ``seed``. Pixels (0..16) are scaled to
     mean 0 and standard deviation 1 with the training set's statistics.
     """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    x = digits.images.astype(np.float32)  # (1797, 8, 8), values 0..16
-    y = digits.target.astype(np.int64)
-    idx = np.arange(len(y))
-    rest, test = train_test_split(idx, test_size=test_fraction, stratify=y, random_state=seed)
-    train, dev = train_test_split(rest, test_size=dev_fraction, stratify=y[rest], random_state=seed)
+    x, y = load_digits()
+    rest, test = stratified_split(np.arange(len(y)), y, test_fraction, seed)
+    train, dev = stratified_split(rest, y[rest], dev_fraction, seed)
     mean, std = x[train].mean(), x[train].std()
     x = (x - mean) / std
 

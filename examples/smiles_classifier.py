@@ -34,7 +34,8 @@ from torch.nn.utils.rnn import pack_padded_sequence
 import dptrain
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _data import SYNTHETIC_RULE, read_bbbp_csv, synthetic_smiles  # noqa: E402
+from _data import SYNTHETIC_RULE, read_bbbp_csv, stratified_split, synthetic_smiles  # noqa: E402
+from _data import roc_auc as _roc_auc  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -111,19 +112,15 @@ class RNNPredictor(nn.Module):
 
 
 def roc_auc(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-    from sklearn.metrics import roc_auc_score
-
     y = targets.cpu().numpy()
     p = torch.sigmoid(outputs).cpu().numpy()
     acc = float(((p > 0.5) == (y > 0.5)).mean())
-    auc = float(roc_auc_score(y, p)) if 0 < y.sum() < len(y) else float("nan")
-    return {"roc_auc": auc, "accuracy": acc, "molecules": len(y)}
+    return {"roc_auc": _roc_auc(y, p), "accuracy": acc, "molecules": len(y)}
 
 
 def main(argv=None) -> float:
     args = parse_args(argv)
     world = dptrain.init()
-    from sklearn.model_selection import train_test_split
 
     if args.data_path:
         smiles, labels = read_bbbp_csv(args.data_path)
@@ -137,10 +134,8 @@ def main(argv=None) -> float:
     # The workshop's split (10 % held out, then 20 % of the rest as dev), stratified by label;
     # identical on every rank (same seed).
     idx = list(range(len(smiles)))
-    visible, heldout = train_test_split(idx, stratify=labels, shuffle=True, test_size=0.1, random_state=args.random_seed)
-    train_ix, dev_ix = train_test_split(
-        visible, stratify=[labels[i] for i in visible], shuffle=True, test_size=0.2, random_state=args.random_seed
-    )
+    visible, heldout = stratified_split(idx, labels, 0.1, args.random_seed)
+    train_ix, dev_ix = stratified_split(visible, [labels[i] for i in visible], 0.2, args.random_seed)
     tokenizer = CharTokenizer([smiles[i] for i in train_ix])
     max_len = min(max(len(s) for s in smiles), 200)
     ids, lengths = tokenizer.encode(smiles, max_len)

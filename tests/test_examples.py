@@ -117,6 +117,38 @@ def test_image_classification_on_cifar_files(tmp_path):
 # --------------------------------------------------------------------------- SMILES -----
 
 
+def test_the_digits_split_and_roc_auc_match_scikit_learn_without_importing_it_in_the_ranks():
+    # The examples read scikit-learn's digits file and split and score on their own: importing
+    # scikit-learn cost each rank 1-2 s of CPU, more than a short run's training.
+    from sklearn.datasets import load_digits
+    from sklearn.metrics import roc_auc_score
+
+    x, y = _data.load_digits()
+    assert np.array_equal(x, load_digits().images.astype(np.float32)) and np.array_equal(y, load_digits().target)
+    rng = np.random.RandomState(0)
+    for trial in range(200):
+        n = int(rng.randint(2, 50))
+        labels = rng.randint(0, 2, n)
+        scores = rng.randint(0, 4, n).astype(float) if trial % 2 else rng.randn(n)  # ties, and none
+        auc = _data.roc_auc(labels, scores)
+        if 0 < labels.sum() < n:
+            assert auc == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
+        else:
+            assert auc != auc  # NaN: one class only
+    labels = [i % 3 == 0 for i in range(200)]
+    rest, test = _data.stratified_split(range(200), labels, 0.1, seed=5)
+    assert sorted(rest + test) == list(range(200)) and len(test) == 20  # ceil(0.1 * 200), as sklearn sizes it
+    assert sum(labels[i] for i in test) == 7  # 67 of 200 positive: 6.7 rounded up
+    assert (rest, test) == _data.stratified_split(range(200), labels, 0.1, seed=5)
+    assert test != _data.stratified_split(range(200), labels, 0.1, seed=6)[1]
+    with pytest.raises(ValueError, match="leaves no sample"):
+        _data.stratified_split(range(3), [0, 1, 0], 0.0, seed=0)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import _data; _data.load_digits_split(0); "
+            "print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, EXAMPLES], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]
+
+
 def test_synthetic_smiles_follow_the_stated_rule():
     smiles, labels = _data.synthetic_smiles(300, seed=3)
     assert smiles == _data.synthetic_smiles(300, seed=3)[0]
@@ -149,16 +181,14 @@ def _heldout_auc_of_the_saved_model(argv):
     """The held-out ROC AUC recomputed in this process: the example's split, its saved best
     weights, one forward over every held-out molecule, sklearn's roc_auc_score."""
     from sklearn.metrics import roc_auc_score
-    from sklearn.model_selection import train_test_split
 
     import smiles_classifier as sc
 
     args = sc.parse_args(argv)
     smiles, labels = _data.synthetic_smiles(args.num_molecules, seed=args.random_seed)
     idx = list(range(len(smiles)))
-    visible, heldout = train_test_split(idx, stratify=labels, shuffle=True, test_size=0.1, random_state=args.random_seed)
-    train_ix, _ = train_test_split(visible, stratify=[labels[i] for i in visible], shuffle=True, test_size=0.2,
-                                   random_state=args.random_seed)
+    visible, heldout = _data.stratified_split(idx, labels, 0.1, args.random_seed)
+    train_ix, _ = _data.stratified_split(visible, [labels[i] for i in visible], 0.2, args.random_seed)
     tokenizer = sc.CharTokenizer([smiles[i] for i in train_ix])
     ids, lengths = tokenizer.encode(smiles, min(max(len(s) for s in smiles), 200))
     model = sc.RNNPredictor(len(tokenizer), args.embedding_dim, args.hidden_dim, args.num_layers, args.dropout)
