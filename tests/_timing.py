@@ -13,6 +13,7 @@ children used) in /proc/<pid>/stat cover the ranks a fork server started and rea
 A process that was orphaned (re-parented to init) before the end of a test is not counted.
 
 Under pytest-xdist every worker writes ``<path>.<worker id>``; the table merges them.
+``DPTRAIN_TEST_TIMING_BY=test`` makes one row per test instead of per file.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class TimingPlugin:
 
     def __init__(self, path: str):
         self.path = path
+        self.per_test = os.environ.get("DPTRAIN_TEST_TIMING_BY") == "test"
         self.files: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
 
     @pytest.hookimpl(hookwrapper=True)
@@ -74,7 +76,7 @@ class TimingPlugin:
         # A hookwrapper: setup, call and teardown of the test (its fixtures included) are measured.
         w0, c0 = time.monotonic(), tree_cpu_seconds()
         yield
-        entry = self.files[item.nodeid.split("::", 1)[0]]
+        entry = self.files[item.nodeid if self.per_test else item.nodeid.split("::", 1)[0]]
         entry[0] += 1
         entry[1] += time.monotonic() - w0
         entry[2] += tree_cpu_seconds() - c0
@@ -96,7 +98,7 @@ def read_table(path: str) -> dict[str, list[float]]:
             continue
         with open(os.path.join(folder, name)) as f:
             for line in f:
-                test_file, n, wall, cpu = line.rstrip("\n").split("\t")
+                test_file, n, wall, cpu = line.rstrip("\n").rsplit("\t", 3)
                 entry = files[test_file]
                 entry[0] += int(n)
                 entry[1] += float(wall)
@@ -108,11 +110,12 @@ def main(argv: list[str]) -> None:
     if len(argv) != 1:
         sys.exit("usage: python tests/_timing.py TABLE   (a file written under DPTRAIN_TEST_TIMING)")
     files = read_table(argv[0])
-    print(f"{'file':60s} {'tests':>5s} {'wall s':>8s} {'CPU s':>8s}")
-    for name, (n, wall, cpu) in sorted(files.items(), key=lambda kv: -kv[1][1]):
-        print(f"{name:60s} {n:5d} {wall:8.1f} {cpu:8.1f}")
+    width = max(60, min(110, max((len(name) for name in files), default=0)))
+    print(f"{'file':{width}s} {'tests':>5s} {'wall s':>8s} {'CPU s':>8s}")
+    for name, (n, wall, cpu) in sorted(files.items(), key=lambda kv: -kv[1][2 if os.environ.get("DPTRAIN_TEST_TIMING_SORT") == "cpu" else 1]):
+        print(f"{name[:width]:{width}s} {n:5d} {wall:8.1f} {cpu:8.1f}")
     n, wall, cpu = (sum(v[i] for v in files.values()) for i in range(3))
-    print(f"{'total':60s} {int(n):5d} {wall:8.1f} {cpu:8.1f}")
+    print(f"{'total':{width}s} {int(n):5d} {wall:8.1f} {cpu:8.1f}")
 
 
 if __name__ == "__main__":
