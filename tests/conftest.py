@@ -64,6 +64,13 @@ SLOW_TESTS = (
     "tests/test_cli_config.py::test_two_ranks_under_dptrain_run_read_the_file_and_the_override",
     "tests/test_cli_config.py::test_a_script_prints_one_line_and_exits_2_and_imports_jsonargparse_only_then",
     "tests/parallel/test_guarded_paths.py::test_a_stalled_peer_is_named_on_every_path_outside_the_buckets",
+    "tests/test_checkpoint_safety.py::test_a_second_run_restarted_before_its_trainer_was_built_does_not_continue_the_first",
+    "tests/test_trainer_messages.py::test_a_user_error_is_one_line_for_the_job_and_the_traceback_needs_debug",
+    "tests/test_sampler_memory.py::test_an_epoch_of_5e7_samples_costs_a_tensor_not_a_list",
+    "tests/launcher/test_store.py::test_a_job_runs_with_either_server_and_only_torchs_makes_the_launcher_import_torch",
+    "tests/test_gpu_benchmark.py::test_the_gpu_benchmark_runs_on_one_rank_and_prints_both_ratios",
+    "tests/launcher/test_store_values.py::test_dptrain_run_goes_on_past_a_malformed_heartbeat",
+    "tests/test_regroup.py::test_a_survivor_waiting_for_a_slow_replacement_prints_no_store_timeouts",
 )
 
 
