@@ -112,7 +112,8 @@ def main(argv: list[str]) -> None:
     files = read_table(argv[0])
     width = max(60, min(110, max((len(name) for name in files), default=0)))
     print(f"{'file':{width}s} {'tests':>5s} {'wall s':>8s} {'CPU s':>8s}")
-    for name, (n, wall, cpu) in sorted(files.items(), key=lambda kv: -kv[1][2 if os.environ.get("DPTRAIN_TEST_TIMING_SORT") == "cpu" else 1]):
+    column = 2 if os.environ.get("DPTRAIN_TEST_TIMING_SORT") == "cpu" else 1  # slowest first, by CPU or wall
+    for name, (n, wall, cpu) in sorted(files.items(), key=lambda kv: -kv[1][column]):
         print(f"{name[:width]:{width}s} {n:5d} {wall:8.1f} {cpu:8.1f}")
     n, wall, cpu = (sum(v[i] for v in files.values()) for i in range(3))
     print(f"{'total':{width}s} {int(n):5d} {wall:8.1f} {cpu:8.1f}")
