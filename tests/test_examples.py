@@ -124,7 +124,8 @@ def test_the_digits_split_and_roc_auc_match_scikit_learn_without_importing_it_in
     from sklearn.metrics import roc_auc_score
 
     x, y = _data.load_digits()
-    assert np.array_equal(x, load_digits().images.astype(np.float32)) and np.array_equal(y, load_digits().target)
+    digits = load_digits()
+    assert np.array_equal(x, digits.images.astype(np.float32)) and np.array_equal(y, digits.target)
     rng = np.random.RandomState(0)
     for trial in range(200):
         n = int(rng.randint(2, 50))

@@ -564,7 +564,7 @@ class WarmStarts:
         from dptrain.runtime import settings as _settings
 
         job, config = self.job, self.job.config
-        if self.spares is None:  # the first attempt (or one with nothing to warm): decided once, not at each restart
+        if self.spares is None:  # once made (at the first attempt), a restart reuses the template and spares
             warm = _settings.get("DPTRAIN_WARM_TEMPLATE") and not standard_library_only(config.program, config.module)
             if config.spares or warm:
                 forker = start(config.program, config.module, base_env, job.log, job.cmd) if warm else None
