@@ -302,6 +302,33 @@ def test_a_member_waiting_for_the_others_still_handles_signals(monkeypatch):
         members.close()
 
 
+def test_a_signal_while_the_wait_starts_leaves_no_wait_behind(monkeypatch):
+    # Seen in CI: the signal's handler raised while ``Thread.start`` waited for the waiting thread to run,
+    # before ``form`` held it, and the thread stayed in the store's wait (at the process's exit, a C++
+    # "terminate called"). Here the handler's exception is raised right after the thread started.
+    class Stop(Exception):
+        pass
+
+    real_start = threading.Thread.start
+
+    def start(thread):
+        real_start(thread)
+        if thread.name == "dptrain-arrivals":
+            raise Stop
+
+    monkeypatch.setattr(_regroup, "ARRIVAL_WAIT_S", 10.0)
+    members = _Members("torch", 2, monkeypatch)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    try:
+        base, keys = members.client()
+        world = SimpleNamespace(rank=0, world_size=2, launch_attempt=0)
+        with pytest.raises(Stop):
+            _regroup.form(base, keys, world, "gloo", members.timeout, 1, 0)
+        assert not _waiting_threads()
+    finally:
+        members.close()
+
+
 def test_a_survivor_waiting_for_a_slow_replacement_prints_no_store_timeouts(tmp_path):
     # A real in-place recovery (tests/scripts/slow_replacement.py): rank 1 kills itself with SIGKILL and its
     # replacement takes 1.5 s to reach dptrain.init, which rank 0 spends waiting for it in the new generation.

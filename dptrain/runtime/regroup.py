@@ -300,6 +300,10 @@ class _Arrivals:
         self._own: Any = None  # the connection, closed with this object (not on the way to the group)
         self._thread = threading.Thread(target=self._wait, args=(base, attempt, key, wait_s), daemon=True,
                                         name="dptrain-arrivals")
+
+    def start(self) -> None:
+        """Start the wait. Apart from the constructor: a signal's handler may raise while ``Thread.start``
+        waits for the thread to run, and the caller must hold this object by then to end that thread."""
         self._thread.start()
 
     def _wait(self, base: Any, attempt: int, key: str, wait_s: float) -> None:
@@ -321,7 +325,15 @@ class _Arrivals:
     def join(self, timeout_s: float = 5.0) -> None:
         """Wait until the thread, its key set, is out of the store's wait (``timeout_s`` at most: a store
         gone ends it too, but a connection still being made may take longer)."""
-        self._thread.join(timeout_s)
+        until = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._thread.join(max(0.0, until - time.monotonic()))
+                return
+            except RuntimeError:  # ``start`` cut short by a signal: the thread is about to run
+                if time.monotonic() >= until:
+                    return
+                time.sleep(0.01)
 
 
 def world_at(keys: Any, world: Any, since: int, generation: int) -> Any:
@@ -401,6 +413,7 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
                     # Its wait outlasts this member's: ``wake`` ends it, never its timeout.
                     waiting = _Arrivals(base, here.launch_attempt, wake, _NO_DEADLINE_S if newcomer
                                         else deadline - time.monotonic() + _ARRIVAL_MARGIN_S)
+                    waiting.start()
                 if idle:
                     for fn in idle:
                         with contextlib.suppress(Exception):
