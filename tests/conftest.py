@@ -46,7 +46,7 @@ SLOW = SERIAL | {
     "tests/test_cuda_present.py", "tests/test_profile.py", "tests/parallel/ddp/test_ddp_compile.py",
     "tests/parallel/ddp/test_ddp_script.py", "tests/launcher/test_launch.py", "tests/launcher/test_rank_logs.py",
     "tests/launcher/test_relay.py", "tests/launcher/test_spare_memory.py", "tests/launcher/test_spawn_notebook.py",
-    "tests/launcher/test_template.py", "tests/launcher/test_watch.py",
+    "tests/launcher/test_template.py", "tests/launcher/test_watch.py", "tests/launcher/test_warm_server.py",
 }
 
 
@@ -87,7 +87,61 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# The jobs the tests start share warm templates (DPTRAIN_TEMPLATE_SERVERS, see [Note: a warm template
+# for many jobs] in dptrain/launcher/warm_server.py): a job's template is forked in milliseconds from
+# a server that imported torch once, where it would import torch itself for seconds of CPU. The
+# tests of the template itself, of where ranks come from and of what the launcher adopts start
+# their own (OWN_TEMPLATE); DPTRAIN_TEST_SHARED_TEMPLATES=0 makes every test do so.
+# The jobs of NAMESPACES' tests run inside network namespaces that last one test: a server started
+# there would serve nobody else.
+OWN_TEMPLATE = NAMESPACES | {
+    "tests/launcher/test_template.py", "tests/launcher/test_inplace_launcher.py", "tests/launcher/test_launch.py",
+    "tests/launcher/test_launch_lifecycle.py",
+}
+_SERVERS = "DPTRAIN_TEMPLATE_SERVERS"
+
+
+def _share_templates(config):
+    """Make the folder of the run's template servers (once: xdist's workers inherit it)."""
+    import tempfile
+
+    if _SERVERS in os.environ or os.environ.get("DPTRAIN_TEST_SHARED_TEMPLATES", "1") == "0":
+        return
+    os.environ[_SERVERS] = config._dptrain_servers = tempfile.mkdtemp(prefix="dptrain-templates-")
+
+
+def _stop_template_servers(folder):
+    import glob
+    import shutil
+
+    for path in glob.glob(os.path.join(folder, "*", "*.pid")):
+        try:
+            with open(path) as fh:
+                os.kill(int(fh.read()), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
+    shutil.rmtree(folder, ignore_errors=True)  # a server that missed the signal sees its folder gone
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_dptrain_servers", None)
+    if folder:
+        _stop_template_servers(folder)
+
+
+def pytest_runtest_setup(item):
+    if item.nodeid.split("::", 1)[0] in OWN_TEMPLATE:
+        item._dptrain_servers = os.environ.pop(_SERVERS, None)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    folder = getattr(item, "_dptrain_servers", None)
+    if folder:
+        os.environ[_SERVERS] = folder
+
+
 def pytest_configure(config):
+    _share_templates(config)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # An xdist worker ignores SIGINT (its controller handles ^C); a process a test forks or
         # starts from it would inherit that, and the tests that interrupt a job need the default.

@@ -342,8 +342,10 @@ def test_char_gpt_runs_under_torchrun_with_workers(tmp_path):
     assert re.search(r"[\d.]+M parameters, 6 steps", proc.stdout), proc.stdout[-2000:]
 
 
-def _rank_pids(script: str, under: int) -> list[int]:
-    """The processes running ``script`` below process ``under`` whose parent does not (ranks, not their loader workers)."""
+def _rank_pids(script: str, marker: str, launcher: int) -> list[int]:
+    """The processes but ``launcher`` running ``script`` with ``marker`` on their command line (a folder of
+    the test's own) whose parent does not run it (ranks, not their loader workers). Not by their ancestry: a rank forked
+    from a shared template (tests/conftest.py) is not a descendant of its launcher."""
     def cmdline(pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -360,13 +362,11 @@ def _rank_pids(script: str, under: int) -> list[int]:
 
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or script not in cmdline(entry):
+        line = cmdline(entry) if entry.isdigit() else ""
+        if script not in line or marker not in line:
             continue
-        pid, up, ancestors = int(entry), parent(int(entry)), set()
-        while up > 1 and up not in ancestors:
-            ancestors.add(up)
-            up = parent(up)
-        if under in ancestors and script not in cmdline(parent(pid)):
+        pid = int(entry)
+        if pid != launcher and script not in cmdline(parent(pid)):
             found.append(pid)
     return sorted(found)
 
@@ -393,7 +393,7 @@ def test_char_gpt_killed_rank_is_replaced_in_place_and_ends_with_the_uninterrupt
         for line in job.stdout:  # the job's own output, live: kill when the first evaluation is printed
             lines.append(line)
             if victim is None and "step 20/60 | dev loss" in line:
-                ranks = _rank_pids("char_gpt.py", job.pid)
+                ranks = _rank_pids("char_gpt.py", str(tmp_path / "b"), job.pid)
                 assert len(ranks) == 2, (ranks, lines[-5:])
                 victim = ranks[-1]
                 os.kill(victim, signal.SIGKILL)

@@ -155,8 +155,11 @@ def start(program: str, module: bool, environ: dict[str, str], log: Callable[[st
     and replacements then start as new interpreters."""
     if not supported():
         return None
+    from dptrain.runtime import settings as _settings
+
     try:
-        return Template(program, module, environ, log, adopt=True, rank_command=rank_command)
+        return Template(program, module, environ, log, adopt=True, rank_command=rank_command,
+                        servers=_settings.get("DPTRAIN_TEMPLATE_SERVERS"))
     except OSError as exc:
         log(f"dptrain run: could not start the warm template ({exc}); ranks and replacements start as new "
             f"processes")
@@ -184,11 +187,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return UNUSABLE
     gc.freeze()
+    return run(sock, path0, outlive, lambda: os.getppid() == launcher)
+
+
+def run(sock: socket.socket, path0: str, outlive: bool, launcher_alive: Callable[[], bool]) -> int:
+    """Be the template, its imports done: fork on the requests that come over ``sock`` until the
+    launcher closes its end (exit code 0); in a forked child, become the rank or spare (its exit
+    code). ``launcher_alive()``: whether the launcher still runs (see ``_stop_if_orphaned``)."""
     from dptrain.launcher.janitor import adopt_orphans
 
     adopt_orphans()  # a child's orphans come here and are reaped (see _reap); not inherited by a fork
     template = os.getpid()  # a forked child's parent, known here: once the template dies its getppid() is another's
-    fds = _serve(sock, launcher)
+    fds = _serve(sock, launcher_alive)
     if fds is None:
         return 0
     return _child(fds, path0, outlive, template)
@@ -212,13 +222,13 @@ def cuda_driver_loaded(maps: str = "/proc/self/maps") -> str:
     return ""
 
 
-def _serve(sock: socket.socket, launcher: int) -> list[int] | None:
+def _serve(sock: socket.socket, launcher_alive: Callable[[], bool]) -> list[int] | None:
     """Fork on request and report children's exits until the launcher's end closes (None);
     in a child, return the three descriptors it was given."""
     children: set[int] = set()
 
     def on_term(signum: int, _frame) -> None:  # the launcher's death sends it (see janitor.parent_death_signal)
-        _stop_if_orphaned(launcher, children, wait_s=ORPHAN_WAIT_S)
+        _stop_if_orphaned(launcher_alive, children, wait_s=ORPHAN_WAIT_S)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
@@ -242,7 +252,7 @@ def _serve(sock: socket.socket, launcher: int) -> list[int] | None:
         except OSError:
             msg = b""
         if not msg:  # the launcher closed its end, or is gone
-            _stop_if_orphaned(launcher, children, wait_s=ORPHAN_WAIT_S)
+            _stop_if_orphaned(launcher_alive, children, wait_s=ORPHAN_WAIT_S)
             return None
         try:
             pid = os.fork()
@@ -265,7 +275,7 @@ def _serve(sock: socket.socket, launcher: int) -> list[int] | None:
         _send(sock, {"forked": pid})
 
 
-def _stop_if_orphaned(launcher: int, children: set[int], wait_s: float = 0.0) -> None:
+def _stop_if_orphaned(launcher_alive: Callable[[], bool], children: set[int], wait_s: float = 0.0) -> None:
     """If the launcher is gone (seen within ``wait_s``), stop the processes forked for it
     (SIGTERM to each one's group).
 
@@ -278,7 +288,7 @@ def _stop_if_orphaned(launcher: int, children: set[int], wait_s: float = 0.0) ->
     template right after closing its end, within that wait.
     """
     deadline = time.monotonic() + wait_s
-    while os.getppid() == launcher:
+    while launcher_alive():
         if time.monotonic() >= deadline:
             return  # the launcher ends in order: its ranks were stopped by then, its spares by it
         time.sleep(0.005)
@@ -290,16 +300,10 @@ def _stop_if_orphaned(launcher: int, children: set[int], wait_s: float = 0.0) ->
 def _reap(sock: socket.socket, children: set[int]) -> None:
     """Report every child that ended (its code as ``Popen.returncode`` gives it); reap, and say
     nothing of, an orphan of theirs that was re-parented to this process (see ``main``)."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    for pid, code in _proc.ended_children():
         if pid in children:
             children.discard(pid)
-            _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            _send(sock, {"exit": pid, "code": code})
 
 
 def _send(sock: socket.socket, msg: dict) -> None:
@@ -373,16 +377,9 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
-            if left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            if self.template.gone:
-                time.sleep(left)  # nobody will say: exit_code looks at the process itself
-            else:
-                self.template.pump(left)
-        return self.returncode
+        # Once the template is gone nobody will say: exit_code looks at the process itself.
+        return _proc.wait_polled(self, lambda s: time.sleep(s) if self.template.gone else self.template.pump(s),
+                                 timeout)
 
 
 class Template:
@@ -399,18 +396,42 @@ class Template:
     they outlive the template: a template that dies then costs only the forks it would have
     made, not the ranks forked from it, and their exit codes come from ``os.waitpid`` here.
     Without it (or where Linux refuses), a child gets SIGTERM when the template dies.
+
+    ``servers``: a folder of template servers (``DPTRAIN_TEMPLATE_SERVERS``): the template is
+    forked by the one for this launcher's interpreter and environment where it runs (see
+    [Note: a warm template for many jobs] in ``served``; ``adopt`` does not hold then),
+    else started here as above.
     """
 
     def __init__(self, program: str, module: bool, environ: dict[str, str], log: Callable[[str], None],
-                 adopt: bool = False, rank_command: list[str] = ()) -> None:
+                 adopt: bool = False, rank_command: list[str] = (), servers: str | None = None) -> None:
         from dptrain.launcher.janitor import adopt_orphans, parent_death_signal
 
         self.log = log
-        self.adopts = adopt and adopt_orphans()
+        path0 = spare_path0(program, module)
+        served = None
+        if servers:
+            from dptrain.launcher import served as _served
+
+            served = _served.request(servers, environ, path0,
+                                         command("dptrain.launcher.template", path0, ["served"]))
+        if served is not None:
+            self.adopts = False  # the server's child, not ours: its children get the parent-death signal
+            self.sock, self.proc = served
+        else:
+            self.adopts = adopt and adopt_orphans()
+            self.sock, self.proc = self._start(path0, environ, rank_command, parent_death_signal)
+        self.pending: list[tuple[int, int, int]] = []  # our ends of the pipes of each fork asked, oldest first
+        self.ready: list[ForkedProcess] = []
+        self._codes: dict[int, int] = {}
+        self.gone = False
+
+    def _start(self, path0: str, environ: dict[str, str], rank_command: list[str],
+               parent_death_signal: Callable[[int], Any]) -> tuple[socket.socket, subprocess.Popen]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = subprocess.Popen(
-                command("dptrain.launcher.template", spare_path0(program, module),
+            proc = subprocess.Popen(
+                command("dptrain.launcher.template", path0,
                         [str(theirs.fileno())] + (["outlive"] if self.adopts else []), room_for=rank_command),
                 env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=parent_death_signal(os.getpid()),
@@ -420,11 +441,7 @@ class Template:
             raise
         finally:
             theirs.close()
-        self.sock = ours
-        self.pending: list[tuple[int, int, int]] = []  # our ends of the pipes of each fork asked, oldest first
-        self.ready: list[ForkedProcess] = []
-        self._codes: dict[int, int] = {}
-        self.gone = False
+        return ours, proc
 
     @property
     def alive(self) -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["dying", "running", "start_time", "identity"]
+__all__ = ["dying", "running", "start_time", "identity", "ended_children", "wait_polled"]
 
 _PF_EXITING = 0x4  # the task's flag (field 9): set as it starts to exit, before its memory is freed
 
@@ -88,3 +88,32 @@ def dying(pid: int, started: int | None = None) -> int | None:
     if status & 0x7F:
         return -(status & 0x7F)
     return (status >> 8) & 0xFF or None
+
+
+def ended_children():
+    """Reap every child of this process that has ended: ``(pid, code)`` for each, ``code`` as
+    ``Popen.returncode`` says it (negative for a signal)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, os.waitstatus_to_exitcode(status)
+
+
+def wait_polled(proc, pause, timeout: float | None = None) -> int:
+    """``Popen.wait`` for a process known through ``proc.poll()`` only (not our child): calls
+    ``pause(seconds)`` between polls (a sleep, or a wait for news of it); raises
+    ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+    import subprocess
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while proc.poll() is None:
+        left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+        if left <= 0:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        pause(left)
+    return proc.returncode

@@ -1,0 +1,234 @@
+"""Warm templates shared by the jobs of one machine, the launcher's side: a server per interpreter,
+import-time environment and set of namespaces imports torch once and forks each later job's warm
+template (the server is ``template_server``).
+
+[Note: a warm template for many jobs]
+Every ``dptrain run`` starts a warm template (see [Note: the warm template] in ``template``),
+which imports torch, dptrain and ``torch._dynamo``: about 3 s of CPU on a 2-core machine, once
+per job, before its first rank runs. A test suite or a notebook that starts hundreds of short
+jobs spends most of its time there. With ``DPTRAIN_TEMPLATE_SERVERS`` naming a folder, a
+launcher asks the server listening in this user's private folder inside it (``servers_folder``)
+for its *import key* to fork its template instead, in milliseconds: the server did those imports
+once, and its fork, given the launcher's working directory, environment, ``sys.path[0]`` and
+descriptors, is the template a start of its own would have made.
+
+The import key (``import_key``) names what can change what an import does or finds: the
+interpreter, the variables of Python (``PYTHON*``), the loader, the thread libraries, torch,
+CUDA and NCCL, the locale, ``HOME`` and the temporary folder, the working directory where
+``PYTHONPATH`` holds a relative entry, and the process's namespaces (a launcher inside ``ip
+netns exec`` needs ranks that see that network, not the server's). The rest of the environment
+(``DPTRAIN_*``, a script's own variables) is read at use, after the fork, from the launcher's.
+A program whose folder (``sys.path[0]``) holds a module of the name of one the server imported
+(a ``torch.py`` beside the script) would import that one afresh: the server refuses it, and the
+launcher starts its own template.
+
+The first launcher with a key only notes it (a server for a key seen once would cost its
+imports for nothing), the second starts the key's server and its own template, and the ones
+after it are served. A server ends after ``IDLE_S`` seconds without a template alive, when its
+folder is gone, or at SIGTERM; the templates it forked do not depend on it.
+
+What differs from a template the launcher starts itself: the template is the server's child,
+so the launcher cannot adopt its children (they get the parent-death signal when it dies, as
+where Linux refuses to adopt them), the template watches the launcher by its pid rather than
+its parent's, and its exit code comes from the server.
+
+Protocol (``SOCK_SEQPACKET``, one JSON message a packet), over ``<folder>/<key>.sock``:
+
+* launcher -> server: ``{"launcher": PID, "cwd": ..., "env": {...}, "path0": ..., "command": [...]}``
+  with two descriptors: the template's end of its socket pair (the template protocol) and the
+  write end of its stderr pipe;
+* server -> launcher: ``{"pid": PID}`` once forked (or ``{"refused": TEXT}``), then
+  ``{"code": CODE}`` when that template ended (as ``Popen.returncode``).
+
+Only the folder's owner may connect (the folder is refused unless it is theirs and closed to
+others; the server checks each caller's uid as well). This module imports only the standard
+library at its top (the launcher imports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import select
+import socket
+import stat
+import subprocess
+import sys
+import time
+from typing import Any
+
+__all__ = ["import_key", "request", "ServedProcess", "servers_folder"]
+
+#: Seconds a server waits without a template alive or a request before it ends.
+IDLE_S = 120.0
+
+#: Seconds a launcher waits for a server's answer before it starts its own template.
+ANSWER_WAIT_S = 5.0
+
+#: Bytes of command line a server starts with: a template and the ranks forked from it show
+#: their own there (see [Note: a spare's command line] in ``spare``).
+COMMAND_ROOM = 16384
+
+#: An exit code where nobody could say it (the server ended before its template did).
+UNKNOWN_CODE = 255
+
+_KEY_PREFIXES = ("PYTHON", "LD_", "TORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "GOTO", "NUMEXPR_",
+                 "CUDA", "NCCL_", "LC_", "XDG_")
+_KEY_NAMES = frozenset({"HOME", "TMPDIR", "TEMP", "TMP", "LANG", "LANGUAGE", "USER", "LOGNAME", "VIRTUAL_ENV",
+                        "CONDA_PREFIX"})
+
+
+def import_key(environ: dict[str, str], cwd: str | None = None, executable: str | None = None) -> str:
+    """The key of the server whose imports are the ones a process of ``environ`` would make
+    (see [Note: a warm template for many jobs]).
+
+    Example:
+        >>> import_key({"OMP_NUM_THREADS": "1", "RANK": "0"}) == import_key({"OMP_NUM_THREADS": "1"})
+        True
+    """
+    relevant = sorted((k, v) for k, v in environ.items() if k.startswith(_KEY_PREFIXES) or k in _KEY_NAMES)
+    path = environ.get("PYTHONPATH", "")
+    relative = bool(path) and any(not os.path.isabs(entry) for entry in path.split(os.pathsep))
+    what = [executable or sys.executable, relevant, (cwd or os.getcwd()) if relative else None, _namespaces()]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
+
+
+def _namespaces() -> list[int | None]:
+    """The inodes of this process's namespaces: what its processes see of the network, mounts, pids."""
+    found = []
+    for kind in ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup"):
+        try:
+            found.append(os.stat(f"/proc/self/ns/{kind}").st_ino)
+        except OSError:
+            found.append(None)
+    return found
+
+
+@contextlib.contextmanager
+def short_path(folder: str):
+    """A path to ``folder`` short enough for a Unix socket's address (108 bytes at most; a test's
+    temporary folder may be longer): ``/proc/self/fd/N`` of a descriptor opened on it."""
+    fd = os.open(folder, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def servers_folder(folder: str) -> str | None:
+    """This user's folder of servers inside ``folder`` (``dptrain-templates-<uid>``, made private if
+    missing); None where it cannot be made, or is not this user's alone (nobody else may connect)."""
+    path = os.path.join(folder, f"dptrain-templates-{os.getuid()}")
+    with contextlib.suppress(FileExistsError, OSError):
+        os.mkdir(path, 0o700)
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    private = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+    return path if private else None
+
+
+# --------------------------------------------------------------------- the launcher's side --
+
+
+class ServedProcess:
+    """A template forked by a server, with what ``template.Template`` uses of ``Popen``: ``pid``,
+    ``stderr``, ``poll``, ``wait`` and ``returncode`` (said by the server)."""
+
+    def __init__(self, conn: socket.socket, pid: int, stderr: Any) -> None:
+        self.pid = pid
+        self.args = ["<forked by a warm template server>"]
+        self.stderr = stderr
+        self.returncode: int | None = None
+        self._conn: socket.socket | None = conn
+
+    def _read(self, wait_s: float) -> None:
+        if self._conn is None:  # the server ended first: look at the process itself
+            from dptrain.runtime import proc as _proc
+
+            if not _proc.running(self.pid):
+                self.returncode = UNKNOWN_CODE
+            return
+        if not select.select([self._conn], [], [], wait_s)[0]:
+            return
+        try:
+            data = self._conn.recv(4096)
+        except OSError:
+            data = b""
+        if data:
+            self.returncode = int(json.loads(data)["code"])
+        self._conn.close()
+        self._conn = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        from dptrain.runtime import proc as _proc
+
+        return _proc.wait_polled(self, lambda s: time.sleep(s) if self._conn is None else self._read(s), timeout)
+
+
+def request(folder: str, environ: dict[str, str], path0: str,
+            shown: list[str]) -> tuple[socket.socket, ServedProcess] | None:
+    """A template forked for this launcher by the server of ``folder`` for ``environ`` (the ranks'
+    base environment): our end of its socket pair and the process; None where there is no such
+    server (noted, or started for the next launcher), it refused or did not answer in time.
+    ``path0`` is the template's ``sys.path[0]``, ``shown`` the command line it shows."""
+    folder = servers_folder(folder)
+    if folder is None:
+        return None
+    key = import_key(environ)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with short_path(folder) as there:
+            conn.connect(f"{there}/{key}.sock")
+    except OSError:
+        conn.close()
+        _seen(folder, key, environ)
+        return None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    err_r, err_w = os.pipe()
+    answer: dict = {}
+    try:
+        said = {"launcher": os.getpid(), "cwd": os.getcwd(), "env": dict(environ), "path0": path0, "command": shown}
+        socket.send_fds(conn, [json.dumps(said).encode()], [theirs.fileno(), err_w])
+        if select.select([conn], [], [], ANSWER_WAIT_S)[0]:
+            answer = json.loads(conn.recv(65536) or b"{}")
+    except (OSError, ValueError):
+        pass
+    finally:
+        theirs.close()
+        os.close(err_w)
+    if not isinstance(answer.get("pid"), int):
+        for end in (conn, ours):
+            end.close()
+        os.close(err_r)
+        return None
+    return ours, ServedProcess(conn, answer["pid"], os.fdopen(err_r, "rb"))
+
+
+def _seen(folder: str, key: str, environ: dict[str, str]) -> None:
+    """Note a launcher of ``key`` that found no server; start the server at the second one."""
+    def create(name: str) -> bool:
+        try:
+            os.close(os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except OSError:
+            return False
+
+    if create(key + ".seen") or not create(key + ".starting"):
+        return  # the first of its key, or another launcher starts the server
+    from dptrain.launcher.spare import command
+
+    try:
+        subprocess.Popen(command("dptrain.launcher.template_server", folder, [key], room_for=["x" * COMMAND_ROOM]),
+                         env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True, cwd="/")
+    except OSError:
+        pass

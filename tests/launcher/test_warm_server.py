@@ -1,0 +1,181 @@
+"""Warm templates shared by jobs (DPTRAIN_TEMPLATE_SERVERS; [Note: a warm template for many jobs] in
+dptrain/launcher/served.py): the third job of an environment gets its template from the server,
+and its ranks are what a start of their own would make."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dptrain.launcher import served, template_server
+from dptrain.runtime import proc as _proc
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm template is Linux's")
+
+SCRIPT = """
+import json, os, sys
+import torch
+import dptrain
+world = dptrain.init()
+t = torch.ones(1)
+dptrain.comm.all_reduce(t)
+
+def cmdline(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        return fh.read().replace(b"\\0", b" ").decode()
+
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+template = os.getppid()
+print(json.dumps({"rank": world.rank, "sum": t.item(), "cwd": os.getcwd(), "path0": sys.path[0],
+                  "mark": os.environ.get("MARK"), "argv": sys.argv, "template": cmdline(template),
+                  "above": cmdline(parent(template)), "pid": os.getpid()}), flush=True)
+dptrain.comm.all_reduce(torch.ones(1))  # every rank has printed before rank 1 ends with CODE
+if os.environ.get("HOLD"):
+    import time
+    time.sleep(60)
+sys.exit(int(os.environ.get("CODE", "0")) if world.rank == 1 else 0)
+"""
+
+
+def _folder(tmp_path):
+    """The folder to name (any), and the private one the servers use inside it."""
+    folder = tmp_path / "servers"
+    folder.mkdir()
+    return str(folder), os.path.join(str(folder), f"dptrain-templates-{os.getuid()}")
+
+
+def _env(folder, **extra):
+    env = {k: v for k, v in os.environ.items() if k != "DPTRAIN_TEMPLATE_SERVERS"}
+    return {**env, "DPTRAIN_TEMPLATE_SERVERS": folder, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **extra}
+
+
+def _run(script, cwd, env, *args):
+    cmd = [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", str(script), *args]
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    said = [json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines() if "] {" in line]
+    return done, sorted(said, key=lambda r: r["rank"])
+
+
+def _stop_servers(folder):
+    for name in (os.listdir(folder) if os.path.isdir(folder) else []):
+        if name.endswith(".pid"):
+            with open(os.path.join(folder, name)) as fh:
+                try:
+                    os.kill(int(fh.read()), signal.SIGTERM)
+                except OSError:
+                    pass
+
+
+def _server_listening(folder, wait_s=60.0):
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if any(name.endswith(".sock") for name in os.listdir(folder)):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_the_import_key_follows_what_an_import_reads_and_nothing_else(tmp_path):
+    base = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1"}
+    key = served.import_key(base)
+    assert served.import_key(dict(base, RANK="1", DPTRAIN_DEBUG="1", MY_SETTING="x")) == key
+    for name, value in (("OMP_NUM_THREADS", "2"), ("PYTHONPATH", "/opt/lib"), ("LD_PRELOAD", "/x.so"),
+                        ("TORCH_LOGS", "+dynamo"), ("CUDA_VISIBLE_DEVICES", ""), ("HOME", "/elsewhere")):
+        assert served.import_key(dict(base, **{name: value})) != key, name
+    assert served.import_key(base, executable="/other/python") != key
+    # A relative entry of PYTHONPATH is found from the working directory: that becomes part of the key.
+    relative = dict(base, PYTHONPATH="lib")
+    assert served.import_key(relative, cwd="/a") != served.import_key(relative, cwd="/b")
+    absolute = dict(base, PYTHONPATH="/opt/lib")
+    assert served.import_key(absolute, cwd="/a") == served.import_key(absolute, cwd="/b")
+
+
+def test_a_module_beside_the_program_that_the_server_imported_is_refused(tmp_path):
+    (tmp_path / "torch.py").write_text("")
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "torchvision.py").write_text("")
+    assert template_server._shadowed(str(tmp_path), {"torch", "json"}) == "torch.py"
+    assert template_server._shadowed(str(tmp_path), {"numpy"}) == "numpy"
+    assert template_server._shadowed(str(tmp_path), {"json", "torchvision_x"}) == ""
+
+
+def test_the_servers_live_in_a_private_folder_of_the_users_own(tmp_path):
+    mine = served.servers_folder(str(tmp_path))
+    assert mine == str(tmp_path / f"dptrain-templates-{os.getuid()}") and os.stat(mine).st_mode & 0o777 == 0o700
+    os.chmod(mine, 0o755)  # others may enter: not used
+    assert served.servers_folder(str(tmp_path)) is None
+    assert served.request(str(tmp_path), dict(os.environ), str(tmp_path), ["x"]) is None
+    assert served.servers_folder(str(tmp_path / "missing")) is None
+
+
+def test_the_third_job_is_served_and_its_ranks_are_what_a_start_of_their_own_makes(tmp_path):
+    named, folder = _folder(tmp_path)
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    work = tmp_path / "work"
+    work.mkdir()
+    try:
+        first, ranks = _run(script, str(work), _env(named, MARK="1"), "--flag", "a")
+        assert first.returncode == 0, first.stderr[-3000:]
+        assert all("template_server" not in r["above"] for r in ranks), ranks  # forked by the launcher's template
+        assert [n.rsplit(".", 1)[1] for n in os.listdir(folder)] == ["seen"]  # noted, no server yet
+        second, _ = _run(script, str(work), _env(named, MARK="2"))
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert _server_listening(folder), os.listdir(folder)
+        third, ranks = _run(script, str(work), _env(named, MARK="3", CODE="3"), "--flag", "c")
+        # The rank's exit code came back through the served template.
+        assert third.returncode == 3 and "exited with code 3" in third.stderr, third.stderr[-3000:]
+        assert [r["rank"] for r in ranks] == [0, 1] and all(r["sum"] == 2.0 for r in ranks), ranks
+        for r in ranks:
+            assert "dptrain.launcher.template_server" in r["above"], r  # the template's parent is the server
+            assert "dptrain.launcher.template" in r["template"], r  # shown as a template
+            assert r["cwd"] == str(work) and r["path0"] == str(tmp_path) and r["mark"] == "3", r
+            assert r["argv"] == [str(script), "--flag", "c"], r
+        # A job of another import environment is not served by that server.
+        other, ranks = _run(script, str(work), _env(named, MARK="4", OMP_NUM_THREADS="2"))
+        assert other.returncode == 0 and all("template_server" not in r["above"] for r in ranks), other.stderr[-3000:]
+    finally:
+        _stop_servers(folder)
+
+
+def test_a_killed_launcher_stops_its_served_ranks_and_a_server_ends_with_its_folder(tmp_path):
+    named, folder = _folder(tmp_path)
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = _env(named)
+    try:
+        for _ in range(2):
+            done, _ = _run(script, str(tmp_path), env)
+            assert done.returncode == 0, done.stderr[-3000:]
+        assert _server_listening(folder), os.listdir(folder)
+        (server,) = [int(open(os.path.join(folder, n)).read()) for n in os.listdir(folder) if n.endswith(".pid")]
+        cmd = [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", str(script)]
+        job = subprocess.Popen(cmd, cwd=str(tmp_path), env=dict(env, HOLD="1"), stdout=subprocess.PIPE, text=True)
+        pids = []
+        for line in job.stdout:
+            if "] {" in line:
+                pids.append(json.loads(line.split("] ", 1)[1]))
+                if len(pids) == 2:
+                    break
+        assert all("template_server" in r["above"] for r in pids), pids
+        job.kill()
+        job.wait(30)
+        deadline = time.monotonic() + 20
+        while any(_proc.running(r["pid"]) for r in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_proc.running(r["pid"]) for r in pids), "a served rank outlived its killed launcher"
+        assert _proc.running(server)  # the server is not the job's: it serves the next one
+        shutil.rmtree(named)
+        deadline = time.monotonic() + 10
+        while _proc.running(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _proc.running(server), "the server outlived its folder"
+    finally:
+        _stop_servers(folder)
