@@ -88,14 +88,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The jobs the tests start share warm templates (DPTRAIN_TEMPLATE_SERVERS, see [Note: a warm template
-# for many jobs] in dptrain/launcher/warm_server.py): a job's template is forked in milliseconds from
+# for many jobs] in dptrain/launcher/served.py): a job's template is forked in milliseconds from
 # a server that imported torch once, where it would import torch itself for seconds of CPU. The
-# tests of the template itself, of where ranks come from and of what the launcher adopts start
-# their own (OWN_TEMPLATE); DPTRAIN_TEST_SHARED_TEMPLATES=0 makes every test do so.
-# The jobs of NAMESPACES' tests run inside network namespaces that last one test: a server started
-# there would serve nobody else.
-OWN_TEMPLATE = NAMESPACES | {
-    "tests/launcher/test_template.py", "tests/launcher/test_inplace_launcher.py", "tests/launcher/test_launch.py",
+# tests of the template itself, of which process is whose parent and of what the launcher adopts
+# start their own (OWN_TEMPLATE); DPTRAIN_TEST_SHARED_TEMPLATES=0 makes every test do so.
+# (A job inside a network namespace has an import key of its own: it is served only by a server
+# started inside that namespace, which benchmarks/netlink.py stops with the namespace's other processes.)
+OWN_TEMPLATE = {
+    "tests/launcher/test_template.py", "tests/launcher/test_inplace_launcher.py",
     "tests/launcher/test_launch_lifecycle.py",
 }
 _SERVERS = "DPTRAIN_TEMPLATE_SERVERS"

@@ -263,6 +263,9 @@ def _as_other_user(fn, timeout_s: float = 20.0):
         pytest.skip("acting as a second local user needs root (setuid)")
     if peer_uids([]) is None:
         pytest.skip("no /proc/net/tcp here: the uid check is off (not Linux)")
+    # The child may not read this interpreter's library once it is the other user (a home folder of
+    # mode 700): what its connect imports (the codec of host names) is imported here, first.
+    "localhost".encode("idna")
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: no pytest, no threads of ours; only sockets
