@@ -1,6 +1,6 @@
-"""Warm templates shared by the jobs of one machine, the launcher's side: a server per interpreter,
-import-time environment and set of namespaces imports torch once and forks each later job's warm
-template (the server is ``template_server``).
+"""Warm templates shared by the jobs of one machine, the launcher's side: a server per interpreter
+and import-time environment imports torch once and forks each job's warm template (the server
+is ``template_server``).
 
 [Note: a warm template for many jobs]
 Every ``dptrain run`` starts a warm template (see [Note: the warm template] in ``template``),
@@ -15,17 +15,23 @@ descriptors, is the template a start of its own would have made.
 The import key (``import_key``) names what can change what an import does or finds: the
 interpreter, the variables of Python (``PYTHON*``), the loader, the thread libraries, torch,
 CUDA and NCCL, the locale, ``HOME`` and the temporary folder, the working directory where
-``PYTHONPATH`` holds a relative entry, and the process's namespaces (a launcher inside ``ip
-netns exec`` needs ranks that see that network, not the server's). The rest of the environment
+``PYTHONPATH`` holds a relative entry, and the process's PID, user and cgroup namespaces. Its
+network, mount, UTS and IPC namespaces are not in the key: a template forked for a launcher
+inside ``ip netns exec`` enters the launcher's (``setns``, which needs the rights ``ip netns``
+needs), so that its ranks see that network and that view of the files. The rest of the environment
 (``DPTRAIN_*``, a script's own variables) is read at use, after the fork, from the launcher's.
 A program whose folder (``sys.path[0]``) holds a module of the name of one the server imported
 (a ``torch.py`` beside the script) would import that one afresh: the server refuses it, and the
 launcher starts its own template.
 
-The first launcher with a key only notes it (a server for a key seen once would cost its
-imports for nothing), the second starts the key's server and its own template, and the ones
-after it are served. A server ends after ``IDLE_S`` seconds without a template alive, when its
-folder is gone, or at SIGTERM; the templates it forked do not depend on it.
+The first launcher of a key only notes it (a server for a key seen once would cost its imports
+for nothing); the second starts the key's server (``<key>.starting`` holds its pid) and its own
+template, and the ones after it are served. No launcher waits for a server's imports: it would
+keep its rendezvous store, which the other nodes wait for, closed meanwhile. A server ends after
+``IDLE_S`` seconds without a template alive, when its folder is gone, or at SIGTERM; the
+templates it forked do not depend on it. A launcher in a network or mount namespace its parent
+is not in (``ip netns exec``) starts none (the namespace may last one job) but is served by one
+that runs.
 
 What differs from a template the launcher starts itself: the template is the server's child,
 so the launcher cannot adopt its children (they get the parent-death signal when it dies, as
@@ -95,10 +101,15 @@ def import_key(environ: dict[str, str], cwd: str | None = None, executable: str 
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
 
 
+#: The namespaces a served template enters from its launcher, where they are not the server's, with
+#: their ``CLONE_*`` flags for ``setns`` (the mount namespace last: it resets the working directory).
+ENTERED_NAMESPACES = (("net", 0x40000000), ("uts", 0x04000000), ("ipc", 0x08000000), ("mnt", 0x00020000))
+
+
 def _namespaces() -> list[int | None]:
-    """The inodes of this process's namespaces: what its processes see of the network, mounts, pids."""
+    """The inodes of this process's namespaces that a template cannot enter: its PIDs, users, cgroups."""
     found = []
-    for kind in ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup"):
+    for kind in ("pid", "user", "cgroup"):
         try:
             found.append(os.stat(f"/proc/self/ns/{kind}").st_ino)
         except OSError:
@@ -177,20 +188,16 @@ class ServedProcess:
 def request(folder: str, environ: dict[str, str], path0: str,
             shown: list[str]) -> tuple[socket.socket, ServedProcess] | None:
     """A template forked for this launcher by the server of ``folder`` for ``environ`` (the ranks'
-    base environment): our end of its socket pair and the process; None where there is no such
-    server (noted, or started for the next launcher), it refused or did not answer in time.
+    base environment): our end of its socket pair and the process; None where no such server
+    listens (noted, or started for the next launcher), it refused, or it did not answer in time.
     ``path0`` is the template's ``sys.path[0]``, ``shown`` the command line it shows."""
     folder = servers_folder(folder)
     if folder is None:
         return None
     key = import_key(environ)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        with short_path(folder) as there:
-            conn.connect(f"{there}/{key}.sock")
-    except OSError:
-        conn.close()
-        _seen(folder, key, environ)
+    conn = _connect(folder, key)
+    if conn is None:
+        _note(folder, key, environ)
         return None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     err_r, err_w = os.pipe()
@@ -213,22 +220,88 @@ def request(folder: str, environ: dict[str, str], path0: str,
     return ours, ServedProcess(conn, answer["pid"], os.fdopen(err_r, "rb"))
 
 
-def _seen(folder: str, key: str, environ: dict[str, str]) -> None:
-    """Note a launcher of ``key`` that found no server; start the server at the second one."""
-    def create(name: str) -> bool:
-        try:
-            os.close(os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-            return True
-        except OSError:
-            return False
+def _connect(folder: str, key: str) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with short_path(folder) as there:
+            conn.connect(f"{there}/{key}.sock")
+        return conn
+    except OSError:
+        conn.close()
+        return None
 
-    if create(key + ".seen") or not create(key + ".starting"):
-        return  # the first of its key, or another launcher starts the server
+
+def _note(folder: str, key: str, environ: dict[str, str]) -> None:
+    """A launcher of ``key`` found no server listening: note the key the first time, start its
+    server the second (``<key>.starting`` holds its pid). Never waits: a launcher that waited for
+    the imports would keep its store, which the other nodes wait for, closed meanwhile. A server
+    that died without a word (killed) leaves its files: they are removed here, and the next
+    launcher starts another."""
+    from dptrain.runtime import proc as _proc
+
+    starting = os.path.join(folder, key + ".starting")
+    if os.path.exists(starting):
+        pid = _read_pid(starting)
+        if pid is not None and not _proc.running(pid):
+            for stale in (starting, os.path.join(folder, key + ".sock")):
+                with contextlib.suppress(OSError):
+                    os.unlink(stale)
+        return
+    if not _may_start_here():
+        return
+
+    def create(name: str) -> int | None:
+        try:
+            return os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except OSError:
+            return None
+
+    seen = create(key + ".seen")
+    if seen is not None:  # the first of its key: a server for a key seen once would cost its imports for nothing
+        os.close(seen)
+        return
+    fd = create(key + ".starting")
+    if fd is None:
+        return  # another launcher starts it
+    pid = _start_server(folder, key, environ)
+    if pid is None:
+        os.close(fd)
+        os.unlink(starting)
+        return
+    os.write(fd, str(pid).encode())
+    os.close(fd)
+
+
+def _read_pid(path: str) -> int | None:
+    """The pid in ``path`` (None until its maker, which has just started the server, writes it)."""
+    try:
+        with open(path) as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _may_start_here() -> bool:
+    """Whether a server started by this process would outlive its job: not from a network or mount
+    namespace entered for this launcher alone (``ip netns exec``: its parent's differ), which may
+    last one job and end the server with it."""
+    parent = os.getppid()
+    try:
+        return all(os.stat(f"/proc/self/ns/{kind}").st_ino == os.stat(f"/proc/{parent}/ns/{kind}").st_ino
+                   for kind in ("net", "mnt"))
+    except OSError:
+        return True  # its parent's cannot be read (another user's): as where namespaces are not used
+
+
+def _start_server(folder: str, key: str, environ: dict[str, str]) -> int | None:
+    """Start ``key``'s server, in a session of its own that outlives this launcher; its pid."""
     from dptrain.launcher.spare import command
 
     try:
-        subprocess.Popen(command("dptrain.launcher.template_server", folder, [key], room_for=["x" * COMMAND_ROOM]),
-                         env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True, cwd="/")
+        proc = subprocess.Popen(command("dptrain.launcher.template_server", folder, [key],
+                                        room_for=["x" * COMMAND_ROOM]),
+                                env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True, cwd="/")
     except OSError:
-        pass
+        return None
+    return proc.pid

@@ -18,13 +18,13 @@ import struct
 import sys
 import time
 
-from dptrain.launcher.served import ANSWER_WAIT_S, IDLE_S, short_path
+from dptrain.launcher.served import ANSWER_WAIT_S, ENTERED_NAMESPACES, IDLE_S, short_path
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run as the server of ``FOLDER KEY`` (its folder is its ``sys.path[0]``, see ``_seen``):
+    """Run as the server of ``FOLDER KEY`` (its folder is its ``sys.path[0]``, see ``_start_server``):
     import ahead, then fork a template per request."""
     folder, key = (sys.argv[1:] if argv is None else argv)[:2]
     from dptrain.launcher import template as _template
@@ -47,16 +47,34 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         os.umask(old)
+    mine = os.stat(path).st_ino
     with open(os.path.join(folder, f"{key}.pid"), "w") as fh:
         fh.write(str(os.getpid()))
     imported = {name.partition(".")[0] for name in sys.modules}
     forked = _serve(listener, folder, imported)
     if forked is None:
-        for name in (key + ".sock", key + ".starting", key + ".pid"):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, name))
+        _remove_own_files(folder, key, mine)
         return 0
     return _be_template(*forked)
+
+
+def _remove_own_files(folder: str, key: str, sock_inode: int) -> None:
+    """Remove the socket and the notes of this server, not those of another server of ``key``
+    (started after a launcher took this one for dead)."""
+    def ours(name: str) -> bool:
+        path = os.path.join(folder, key + name)
+        try:
+            if name == ".sock":
+                return os.stat(path).st_ino == sock_inode
+            with open(path) as fh:
+                return fh.read().strip() == str(os.getpid())
+        except OSError:
+            return False
+
+    for name in (".sock", ".starting", ".pid"):
+        if ours(name):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, key + name))
 
 
 def _serve(listener: socket.socket, folder: str, imported: set[str]) -> tuple[dict, list[int]] | None:
@@ -155,6 +173,29 @@ def _reap(conns: dict[int, socket.socket]) -> None:
             conn.close()
 
 
+def _enter_namespaces(launcher: int) -> None:
+    """Enter the network, UTS, IPC and mount namespaces of process ``launcher`` that are not this
+    process's (a launcher under ``ip netns exec``); OSError where Linux refuses (see ``served``).
+    This process has one thread, as ``setns`` of a mount namespace requires."""
+    libc = None
+    for kind, flag in ENTERED_NAMESPACES:
+        theirs = f"/proc/{launcher}/ns/{kind}"
+        there, here = os.stat(theirs), os.stat(f"/proc/self/ns/{kind}")
+        if (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino):
+            continue
+        if libc is None:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(theirs, os.O_RDONLY)
+        try:
+            if libc.setns(fd, flag) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"cannot enter the launcher's {kind} namespace: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+
+
 def _be_template(req: dict, fds: list[int]) -> int:
     """In the forked child: take on the launcher's session, descriptors, directory, environment
     and ``sys.path[0]``, then be its template (``template.run``)."""
@@ -169,16 +210,18 @@ def _be_template(req: dict, fds: list[int]) -> int:
     os.close(null)
     os.dup2(fds[1], 2)
     os.close(fds[1])
+    launcher = int(req["launcher"])
     try:
+        _enter_namespaces(launcher)
         os.chdir(req["cwd"])
-    except OSError:
-        return 1  # the launcher sees the template gone, and starts its ranks afresh
+    except OSError as exc:  # the launcher sees the template gone (this line its last), and starts its ranks afresh
+        print(f"the template server could not make this the launcher's template: {exc}", file=sys.stderr, flush=True)
+        return 1
     os.environ.clear()
     os.environ.update(req["env"])
     if sys.path:
         sys.path[0] = req["path0"]
     set_command_line(list(req["command"]))
-    launcher = int(req["launcher"])
     return _template.run(socket.socket(fileno=fds[0]), req["path0"], False, lambda: _proc.running(launcher))
 
 

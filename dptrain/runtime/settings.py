@@ -188,7 +188,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "a hot spare start as new interpreters"),
     Setting("DPTRAIN_TEMPLATE_SERVERS", "directory", None, "dptrain run: share warm templates among the jobs "
             "of this machine, in a private folder of yours made inside this one: one server per Python, import-time "
-            "environment and namespaces imports torch once and forks each later job's template in milliseconds (for "
+            "environment imports torch once and forks each job's template in milliseconds (for "
             "a test suite or a notebook that starts many short jobs; a server ends after 2 idle minutes)", "/tmp",
             default_text="none: each job's template imports for itself"),
     Setting("DPTRAIN_GENERATION", "count", 0, "with in-place recovery: 0 for a rank started with the job, g for a "

@@ -1,6 +1,6 @@
 """Warm templates shared by jobs (DPTRAIN_TEMPLATE_SERVERS; [Note: a warm template for many jobs] in
-dptrain/launcher/served.py): the third job of an environment gets its template from the server,
-and its ranks are what a start of their own would make."""
+dptrain/launcher/served.py): from the third job of an import environment on, a job gets its
+template from that environment's server, and its ranks are what a start of their own would make."""
 import json
 import os
 import shutil
@@ -33,7 +33,7 @@ def parent(pid):
         return int(fh.read().rsplit(")", 1)[1].split()[1])
 
 template = os.getppid()
-print(json.dumps({"rank": world.rank, "sum": t.item(), "cwd": os.getcwd(), "path0": sys.path[0],
+print(json.dumps({"net": os.stat("/proc/self/ns/net").st_ino,"rank": world.rank, "sum": t.item(), "cwd": os.getcwd(), "path0": sys.path[0],
                   "mark": os.environ.get("MARK"), "argv": sys.argv, "template": cmdline(template),
                   "above": cmdline(parent(template)), "pid": os.getpid()}), flush=True)
 dptrain.comm.all_reduce(torch.ones(1))  # every rank has printed before rank 1 ends with CODE
@@ -122,25 +122,37 @@ def test_the_third_job_is_served_and_its_ranks_are_what_a_start_of_their_own_mak
     work = tmp_path / "work"
     work.mkdir()
     try:
-        first, ranks = _run(script, str(work), _env(named, MARK="1"), "--flag", "a")
-        assert first.returncode == 0, first.stderr[-3000:]
-        assert all("template_server" not in r["above"] for r in ranks), ranks  # forked by the launcher's template
-        assert [n.rsplit(".", 1)[1] for n in os.listdir(folder)] == ["seen"]  # noted, no server yet
-        second, _ = _run(script, str(work), _env(named, MARK="2"))
-        assert second.returncode == 0, second.stderr[-3000:]
+        # The first job of an import environment notes it, the second starts its server: both fork their
+        # ranks from a template of their own, as a job without the server would.
+        for mark in ("1", "2"):
+            done, ranks = _run(script, str(work), _env(named, MARK=mark))
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert len(ranks) == 2 and all("template_server" not in r["above"] for r in ranks), ranks
+            assert all("dptrain.launcher.template" in r["template"] for r in ranks), ranks
         assert _server_listening(folder), os.listdir(folder)
-        third, ranks = _run(script, str(work), _env(named, MARK="3", CODE="3"), "--flag", "c")
-        # The rank's exit code came back through the served template.
-        assert third.returncode == 3 and "exited with code 3" in third.stderr, third.stderr[-3000:]
-        assert [r["rank"] for r in ranks] == [0, 1] and all(r["sum"] == 2.0 for r in ranks), ranks
-        for r in ranks:
-            assert "dptrain.launcher.template_server" in r["above"], r  # the template's parent is the server
-            assert "dptrain.launcher.template" in r["template"], r  # shown as a template
-            assert r["cwd"] == str(work) and r["path0"] == str(tmp_path) and r["mark"] == "3", r
-            assert r["argv"] == [str(script), "--flag", "c"], r
-        # A job of another import environment is not served by that server.
-        other, ranks = _run(script, str(work), _env(named, MARK="4", OMP_NUM_THREADS="2"))
+        for mark, code in (("3", "0"), ("4", "3")):
+            done, ranks = _run(script, str(work), _env(named, MARK=mark, CODE=code), "--flag", mark)
+            if code == "3":  # the rank's exit code came back through the served template
+                assert done.returncode == 3 and "exited with code 3" in done.stderr, done.stderr[-3000:]
+            else:
+                assert done.returncode == 0, done.stderr[-3000:]
+            assert [r["rank"] for r in ranks] == [0, 1] and all(r["sum"] == 2.0 for r in ranks), ranks
+            for r in ranks:
+                assert "dptrain.launcher.template_server" in r["above"], r  # the template's parent is the server
+                assert "dptrain.launcher.template" in r["template"], r  # shown as a template
+                assert r["cwd"] == str(work) and r["path0"] == str(tmp_path) and r["mark"] == mark, r
+                assert r["argv"] == [str(script), "--flag", mark], r
+        # Another import environment is not that server's.
+        other, ranks = _run(script, str(work), _env(named, OMP_NUM_THREADS="2"))
         assert other.returncode == 0 and all("template_server" not in r["above"] for r in ranks), other.stderr[-3000:]
+        # A program beside a folder named as a package the server imported: a start of its own looks at
+        # that folder first (an empty one, so torch itself is still found), so it gets a template of its own.
+        beside = tmp_path / "beside"
+        (beside / "torch").mkdir(parents=True)
+        (beside / "job.py").write_text(SCRIPT)
+        own, ranks = _run(beside / "job.py", str(work), _env(named))
+        assert own.returncode == 0 and len(ranks) == 2, own.stderr[-3000:]
+        assert all("template_server" not in r["above"] for r in ranks), ranks
     finally:
         _stop_servers(folder)
 
@@ -179,3 +191,57 @@ def test_a_killed_launcher_stops_its_served_ranks_and_a_server_ends_with_its_fol
         assert not _proc.running(server), "the server outlived its folder"
     finally:
         _stop_servers(folder)
+
+
+def test_a_job_inside_a_network_namespace_is_served_with_ranks_inside_it(tmp_path):
+    # `ip netns exec NS dptrain run ...`: the template the server forks enters the launcher's network
+    # and mount namespaces, so that the ranks rendezvous on the namespace's loopback.
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a network namespace needs root and iproute2")
+    ns = f"dpt-served-{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a network namespace here")
+    named, folder = _folder(tmp_path)
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = _env(named)
+    try:
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        for _ in range(2):  # the second starts the server (a launcher inside a namespace does not)
+            done, _ = _run(script, str(tmp_path), env)
+            assert done.returncode == 0, done.stderr[-3000:]
+        assert _server_listening(folder), os.listdir(folder)
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", str(script)]
+        done = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        ranks = [json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines() if "] {" in line]
+        inside = os.stat(f"/run/netns/{ns}").st_ino
+        assert len(ranks) == 2 and all(r["net"] == inside for r in ranks), (inside, ranks)
+        assert all("dptrain.launcher.template_server" in r["above"] for r in ranks), ranks
+    finally:
+        _stop_servers(folder)
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+
+def test_the_files_of_a_server_that_was_killed_are_cleared_for_the_next_one(tmp_path):
+    folder = served.servers_folder(str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name, text in (("k.starting", str(dead.pid)), ("k.sock", ""), ("k.seen", "")):
+        with open(os.path.join(folder, name), "w") as fh:
+            fh.write(text)
+    assert served._connect(folder, "k") is None  # nobody listens there any more
+    served._note(folder, "k", dict(os.environ))
+    assert sorted(os.listdir(folder)) == ["k.seen"]  # the next launcher of the key starts a server
+    # A server still starting (its pid alive, no socket yet) is left alone.
+    with open(os.path.join(folder, "k.starting"), "w") as fh:
+        fh.write(str(os.getpid()))
+    served._note(folder, "k", dict(os.environ))
+    assert sorted(os.listdir(folder)) == ["k.seen", "k.starting"]
