@@ -8,13 +8,16 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from dptrain.launcher import served, template_server
 from dptrain.runtime import proc as _proc
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm template is Linux's")
+# One worker runs them all, so that the module's server (the ``warm`` fixture) is started once.
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm template is Linux's"),
+              pytest.mark.xdist_group("template-servers")]
 
 SCRIPT = """
 import json, os, sys
@@ -115,85 +118,79 @@ def test_the_servers_live_in_a_private_folder_of_the_users_own(tmp_path):
     assert served.servers_folder(str(tmp_path / "missing")) is None
 
 
-def test_the_third_job_is_served_and_its_ranks_are_what_a_start_of_their_own_makes(tmp_path):
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """A folder of servers whose server for this test's import environment listens: the first job of
+    that environment noted it, the second started it, and both forked their ranks from a template of
+    their own, as a job without the server would. The server ends with its folder, at the end."""
+    tmp_path = tmp_path_factory.mktemp("warm")
     named, folder = _folder(tmp_path)
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
+    for mark in ("1", "2"):
+        done, ranks = _run(script, str(tmp_path), _env(named, MARK=mark))
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert len(ranks) == 2 and all("template_server" not in r["above"] for r in ranks), ranks
+        assert all("dptrain.launcher.template" in r["template"] for r in ranks), ranks
+    assert _server_listening(folder), os.listdir(folder)
+    (server,) = [int(open(os.path.join(folder, n)).read()) for n in os.listdir(folder) if n.endswith(".pid")]
+    yield SimpleNamespace(named=named, folder=folder, script=script, tmp=tmp_path, server=server)
+    shutil.rmtree(named)
+    deadline = time.monotonic() + 10
+    while _proc.running(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _proc.running(server):
+        os.kill(server, signal.SIGKILL)
+        pytest.fail("the server outlived its folder")
+
+
+def test_the_third_job_is_served_and_its_ranks_are_what_a_start_of_their_own_makes(warm, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    try:
-        # The first job of an import environment notes it, the second starts its server: both fork their
-        # ranks from a template of their own, as a job without the server would.
-        for mark in ("1", "2"):
-            done, ranks = _run(script, str(work), _env(named, MARK=mark))
+    for mark, code in (("3", "0"), ("4", "3")):
+        done, ranks = _run(warm.script, str(work), _env(warm.named, MARK=mark, CODE=code), "--flag", mark)
+        if code == "3":  # the rank's exit code came back through the served template
+            assert done.returncode == 3 and "exited with code 3" in done.stderr, done.stderr[-3000:]
+        else:
             assert done.returncode == 0, done.stderr[-3000:]
-            assert len(ranks) == 2 and all("template_server" not in r["above"] for r in ranks), ranks
-            assert all("dptrain.launcher.template" in r["template"] for r in ranks), ranks
-        assert _server_listening(folder), os.listdir(folder)
-        for mark, code in (("3", "0"), ("4", "3")):
-            done, ranks = _run(script, str(work), _env(named, MARK=mark, CODE=code), "--flag", mark)
-            if code == "3":  # the rank's exit code came back through the served template
-                assert done.returncode == 3 and "exited with code 3" in done.stderr, done.stderr[-3000:]
-            else:
-                assert done.returncode == 0, done.stderr[-3000:]
-            assert [r["rank"] for r in ranks] == [0, 1] and all(r["sum"] == 2.0 for r in ranks), ranks
-            for r in ranks:
-                assert "dptrain.launcher.template_server" in r["above"], r  # the template's parent is the server
-                assert "dptrain.launcher.template" in r["template"], r  # shown as a template
-                assert r["cwd"] == str(work) and r["path0"] == str(tmp_path) and r["mark"] == mark, r
-                assert r["argv"] == [str(script), "--flag", mark], r
-        # Another import environment is not that server's.
-        other, ranks = _run(script, str(work), _env(named, OMP_NUM_THREADS="2"))
-        assert other.returncode == 0 and all("template_server" not in r["above"] for r in ranks), other.stderr[-3000:]
-        # A program beside a folder named as a package the server imported: a start of its own looks at
-        # that folder first (an empty one, so torch itself is still found), so it gets a template of its own.
-        beside = tmp_path / "beside"
-        (beside / "torch").mkdir(parents=True)
-        (beside / "job.py").write_text(SCRIPT)
-        own, ranks = _run(beside / "job.py", str(work), _env(named))
-        assert own.returncode == 0 and len(ranks) == 2, own.stderr[-3000:]
-        assert all("template_server" not in r["above"] for r in ranks), ranks
-    finally:
-        _stop_servers(folder)
+        assert [r["rank"] for r in ranks] == [0, 1] and all(r["sum"] == 2.0 for r in ranks), ranks
+        for r in ranks:
+            assert "dptrain.launcher.template_server" in r["above"], r  # the template's parent is the server
+            assert "dptrain.launcher.template" in r["template"], r  # shown as a template
+            assert r["cwd"] == str(work) and r["path0"] == str(warm.tmp) and r["mark"] == mark, r
+            assert r["argv"] == [str(warm.script), "--flag", mark], r
+    # Another import environment is not that server's.
+    other, ranks = _run(warm.script, str(work), _env(warm.named, OMP_NUM_THREADS="2"))
+    assert other.returncode == 0 and all("template_server" not in r["above"] for r in ranks), other.stderr[-3000:]
+    # A program beside a folder named as a package the server imported: a start of its own looks at
+    # that folder first (an empty one, so torch itself is still found), so it gets a template of its own.
+    (tmp_path / "beside" / "torch").mkdir(parents=True)
+    (tmp_path / "beside" / "job.py").write_text(SCRIPT)
+    own, ranks = _run(tmp_path / "beside" / "job.py", str(work), _env(warm.named))
+    assert own.returncode == 0 and len(ranks) == 2, own.stderr[-3000:]
+    assert all("template_server" not in r["above"] for r in ranks), ranks
 
 
-def test_a_killed_launcher_stops_its_served_ranks_and_a_server_ends_with_its_folder(tmp_path):
-    named, folder = _folder(tmp_path)
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = _env(named)
-    try:
-        for _ in range(2):
-            done, _ = _run(script, str(tmp_path), env)
-            assert done.returncode == 0, done.stderr[-3000:]
-        assert _server_listening(folder), os.listdir(folder)
-        (server,) = [int(open(os.path.join(folder, n)).read()) for n in os.listdir(folder) if n.endswith(".pid")]
-        cmd = [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", str(script)]
-        job = subprocess.Popen(cmd, cwd=str(tmp_path), env=dict(env, HOLD="1"), stdout=subprocess.PIPE, text=True)
-        pids = []
-        for line in job.stdout:
-            if "] {" in line:
-                pids.append(json.loads(line.split("] ", 1)[1]))
-                if len(pids) == 2:
-                    break
-        assert all("template_server" in r["above"] for r in pids), pids
-        job.kill()
-        job.wait(30)
-        deadline = time.monotonic() + 20
-        while any(_proc.running(r["pid"]) for r in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_proc.running(r["pid"]) for r in pids), "a served rank outlived its killed launcher"
-        assert _proc.running(server)  # the server is not the job's: it serves the next one
-        shutil.rmtree(named)
-        deadline = time.monotonic() + 10
-        while _proc.running(server) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _proc.running(server), "the server outlived its folder"
-    finally:
-        _stop_servers(folder)
+def test_a_killed_launcher_stops_its_served_ranks_and_not_the_server(warm):
+    cmd = [sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", str(warm.script)]
+    job = subprocess.Popen(cmd, cwd=str(warm.tmp), env=_env(warm.named, HOLD="1"), stdout=subprocess.PIPE, text=True)
+    pids = []
+    for line in job.stdout:
+        if "] {" in line:
+            pids.append(json.loads(line.split("] ", 1)[1]))
+            if len(pids) == 2:
+                break
+    assert all("template_server" in r["above"] for r in pids), pids
+    job.kill()
+    job.wait(30)
+    deadline = time.monotonic() + 20
+    while any(_proc.running(r["pid"]) for r in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_proc.running(r["pid"]) for r in pids), "a served rank outlived its killed launcher"
+    assert _proc.running(warm.server)  # the server is not the job's: it serves the next one
 
 
-def test_a_job_inside_a_network_namespace_is_served_with_ranks_inside_it(tmp_path):
+def test_a_job_inside_a_network_namespace_is_served_with_ranks_inside_it(warm):
     # `ip netns exec NS dptrain run ...`: the template the server forks enters the launcher's network
     # and mount namespaces, so that the ranks rendezvous on the namespace's loopback.
     if os.geteuid() != 0 or shutil.which("ip") is None:
@@ -201,25 +198,18 @@ def test_a_job_inside_a_network_namespace_is_served_with_ranks_inside_it(tmp_pat
     ns = f"dpt-served-{os.getpid()}"
     if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode != 0:
         pytest.skip("cannot make a network namespace here")
-    named, folder = _folder(tmp_path)
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = _env(named)
     try:
         subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
-        for _ in range(2):  # the second starts the server (a launcher inside a namespace does not)
-            done, _ = _run(script, str(tmp_path), env)
-            assert done.returncode == 0, done.stderr[-3000:]
-        assert _server_listening(folder), os.listdir(folder)
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", str(script)]
-        done = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2",
+               str(warm.script)]
+        done = subprocess.run(cmd, cwd=str(warm.tmp), env=_env(warm.named), capture_output=True, text=True,
+                              timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
         ranks = [json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines() if "] {" in line]
         inside = os.stat(f"/run/netns/{ns}").st_ino
         assert len(ranks) == 2 and all(r["net"] == inside for r in ranks), (inside, ranks)
         assert all("dptrain.launcher.template_server" in r["above"] for r in ranks), ranks
     finally:
-        _stop_servers(folder)
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
         for pid in pids:
             try:
@@ -227,7 +217,6 @@ def test_a_job_inside_a_network_namespace_is_served_with_ranks_inside_it(tmp_pat
             except OSError:
                 pass
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
 
 
 def test_the_files_of_a_server_that_was_killed_are_cleared_for_the_next_one(tmp_path):
