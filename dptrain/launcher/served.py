@@ -77,8 +77,11 @@ ANSWER_WAIT_S = 5.0
 #: their own there (see [Note: a spare's command line] in ``spare``).
 COMMAND_ROOM = 16384
 
-#: An exit code where nobody could say it (the server ended before its template did).
+#: An exit code where nobody could say it (the server ended before its template did, or is silent).
 UNKNOWN_CODE = 255
+
+#: Seconds after its template ended that a launcher still waits for the server to say its code.
+SERVER_SILENCE_S = 1.0
 
 _KEY_PREFIXES = ("PYTHON", "LD_", "TORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "GOTO", "NUMEXPR_",
                  "CUDA", "NCCL_", "LC_", "XDG_")
@@ -155,15 +158,24 @@ class ServedProcess:
         self.stderr = stderr
         self.returncode: int | None = None
         self._conn: socket.socket | None = conn
+        self._gone_at: float | None = None  # when the template was first seen ended with no word from the server
 
     def _read(self, wait_s: float) -> None:
-        if self._conn is None:  # the server ended first: look at the process itself
-            from dptrain.runtime import proc as _proc
+        from dptrain.runtime import proc as _proc
 
+        if self._conn is None:  # the server ended first: look at the process itself
             if not _proc.running(self.pid):
                 self.returncode = UNKNOWN_CODE
             return
         if not select.select([self._conn], [], [], wait_s)[0]:
+            # A server that does not say (stopped, hung) must not hold the launcher's end: the
+            # template itself is looked at, and its code taken as unknown a second after it ended.
+            if not _proc.running(self.pid):
+                self._gone_at = self._gone_at or time.monotonic()
+                if time.monotonic() - self._gone_at > SERVER_SILENCE_S:
+                    self.returncode = UNKNOWN_CODE
+                    self._conn.close()
+                    self._conn = None
             return
         try:
             data = self._conn.recv(4096)
@@ -240,6 +252,8 @@ def _note(folder: str, key: str, environ: dict[str, str]) -> None:
     from dptrain.runtime import proc as _proc
 
     starting = os.path.join(folder, key + ".starting")
+    if os.path.exists(os.path.join(folder, key + ".unusable")):
+        return  # its imports load the CUDA driver: a fork of them could not use CUDA (template.UNUSABLE)
     if os.path.exists(starting):
         pid = _read_pid(starting)
         if pid is not None and not _proc.running(pid):

@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
 
     _warm_up()
     if _template.cuda_driver_loaded():
-        return _template.UNUSABLE  # its ".starting" stays: no launcher starts another for this key
+        with open(os.path.join(folder, key + ".unusable"), "w"):
+            pass  # no launcher starts another for this key (see served._note)
+        return _template.UNUSABLE
     gc.freeze()
     path = os.path.join(folder, key + ".sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -234,3 +235,28 @@ def test_the_files_of_a_server_that_was_killed_are_cleared_for_the_next_one(tmp_
         fh.write(str(os.getpid()))
     served._note(folder, "k", dict(os.environ))
     assert sorted(os.listdir(folder)) == ["k.seen", "k.starting"]
+    # A server whose imports loaded the CUDA driver said so: nobody starts another for its key.
+    with open(os.path.join(folder, "k.starting"), "w") as fh:
+        fh.write(str(dead.pid))
+    open(os.path.join(folder, "k.unusable"), "w").close()
+    served._note(folder, "k", dict(os.environ))
+    assert sorted(os.listdir(folder)) == ["k.seen", "k.starting", "k.unusable"]
+
+
+def test_a_silent_server_does_not_hold_the_launcher_once_the_template_ended():
+    # The server stopped (SIGSTOP) or hung: the launcher's wait for its template's code still ends.
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    try:
+        proc = served.ServedProcess(ours, ended.pid, None)
+        began = time.monotonic()
+        assert proc.wait(timeout=10) == served.UNKNOWN_CODE
+        assert time.monotonic() - began < 5
+        # A server that says the code is heard at once.
+        ours2, theirs2 = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        theirs2.send(json.dumps({"code": -9}).encode())
+        assert served.ServedProcess(ours2, ended.pid, None).wait(timeout=10) == -9
+        theirs2.close()
+    finally:
+        theirs.close()
