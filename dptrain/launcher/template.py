@@ -413,8 +413,7 @@ class Template:
         if servers:
             from dptrain.launcher import served as _served
 
-            served = _served.request(servers, environ, path0,
-                                         command("dptrain.launcher.template", path0, ["served"]))
+            served = _served.request(servers, environ, path0, command("dptrain.launcher.template", path0, ["served"]))
         if served is not None:
             self.adopts = False  # the server's child, not ours: its children get the parent-death signal
             self.sock, self.proc = served
