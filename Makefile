@@ -3,7 +3,7 @@
 # tools/make_venv.py creates .venv. Where `python3` already has torch (a GPU machine's venv,
 # conda env or container), .venv is layered over that Python and reuses its torch and other
 # packages as they are: nothing is replaced or downloaded again. Elsewhere torch is installed
-# first and on its own, pinned to the CPU build that pip finds on these machines
+# with dptrain, pinned to the CPU build that pip finds on these machines
 # (torch==2.13.0): letting pip resolve `torch>=2.4` by itself would pull a CUDA build of several GB.
 
 PYTHON ?= python3

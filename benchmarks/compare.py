@@ -39,6 +39,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLOOR = "no DDP: each rank alone (the compute floor)"  # benchmarks/ddp_shm.py's label (not imported: it imports torch)
 
 #: benchmark -> (what it measures, the ratio's key in its JSON)
 BENCHES = {
@@ -60,11 +61,12 @@ def export_commit(commit: str, into: str) -> str:
     return sha
 
 
-def _run(tree: str, bench: str, args: argparse.Namespace, out: str) -> tuple[float, float]:
+def _run(tree: str, bench: str, args: argparse.Namespace, out: str) -> tuple[float, float, float | None]:
     """One run of ``bench`` with ``tree``'s dptrain; returns its ratios ours / PyTorch: of the
     median step time, and of the median CPU time per step (all threads of the process: what a
     rank spends on waking, polling and copying shows here even when the machine's load hides it
-    in the wall time)."""
+    in the wall time); and, on one node, the compute floor's step / PyTorch's (the lowest ratio
+    any DDP could reach in that run; None over the link)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
     if bench == "link":
         cmd = [sys.executable, "benchmarks/netlink.py", "--rate", args.rate, "--",
@@ -83,10 +85,11 @@ def _run(tree: str, bench: str, args: argparse.Namespace, out: str) -> tuple[flo
     os.unlink(out)
     if bench == "link":
         sgd = data["sgd"]
-        return sgd["auto"]["step_s"] / sgd["torch"]["step_s"], sgd["auto"]["cpu_s"] / sgd["torch"]["cpu_s"]
+        return sgd["auto"]["step_s"] / sgd["torch"]["step_s"], sgd["auto"]["cpu_s"] / sgd["torch"]["cpu_s"], None
     table = data["resnet18-sgd" if bench == "resnet" else "mlp-sgd"]
     ours, ref = table["ours, shared memory"], table["torch DDP"]
-    return ours["step_s"] / ref["step_s"], ours["cpu_s"] / ref["cpu_s"]
+    floor = table.get(FLOOR)  # (a base tree's own benchmarks/ before it had one: none)
+    return ours["step_s"] / ref["step_s"], ours["cpu_s"] / ref["cpu_s"], floor and floor["step_s"] / ref["step_s"]
 
 
 def main() -> None:
@@ -122,6 +125,7 @@ def main() -> None:
         out = os.path.join(tmp, "result.json")
         ratios: dict[str, dict[str, list[float]]] = {b: {"head": [], "base": []} for b in benches}
         cpus: dict[str, dict[str, list[float]]] = {b: {"head": [], "base": []} for b in benches}
+        floors: dict[str, list[float]] = {b: [] for b in benches}
         print(f"head: {head_name}; base: {args.base} ({base_sha[:10]}); {args.rounds} round(s); "
               f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
         for r in range(args.rounds):
@@ -131,21 +135,25 @@ def main() -> None:
                 order = ("head", "base") if r % 2 == 0 else ("base", "head")
                 for side in order:
                     t0 = time.monotonic()
-                    ratio, cpu = _run(args.head_tree or ROOT if side == "head" else base_tree, bench, args, out)
+                    ratio, cpu, floor = _run(args.head_tree or ROOT if side == "head" else base_tree, bench, args, out)
                     ratios[bench][side].append(ratio)
                     cpus[bench][side].append(cpu)
+                    if floor is not None:
+                        floors[bench].append(floor)
                     print(f"  round {r + 1} {bench:6s} {side}: {ratio:.3f} (CPU {cpu:.3f}; {time.monotonic() - t0:.0f} s, "
                           f"load {os.getloadavg()[0]:.2f})", flush=True)
     print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}\n")
     print("Ratios ours / PyTorch (medians over the runs; a step is its slowest rank's), and of CPU time per step.\n")
-    print("| benchmark | head | base | head / base | CPU: head | CPU: base | head runs | base runs |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("The floor: each rank stepping alone, no gradient exchange, in the same runs (both trees), over PyTorch's DDP.\n")
+    print("| benchmark | head | base | head / base | CPU: head | CPU: base | head runs | base runs | floor |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for bench in benches:
         h, b = ratios[bench]["head"], ratios[bench]["base"]
         mh, mb = statistics.median(h), statistics.median(b)
         ch, cb = statistics.median(cpus[bench]["head"]), statistics.median(cpus[bench]["base"])
         print(f"| {BENCHES[bench]} | {mh:.3f} | {mb:.3f} | {mh / mb:.3f} | {ch:.3f} | {cb:.3f} | "
-              f"{', '.join(f'{x:.3f}' for x in h)} | {', '.join(f'{x:.3f}' for x in b)} |")
+              f"{', '.join(f'{x:.3f}' for x in h)} | {', '.join(f'{x:.3f}' for x in b)} | "
+              f"{f'{statistics.median(floors[bench]):.3f}' if floors[bench] else '-'} |")
 
 
 if __name__ == "__main__":

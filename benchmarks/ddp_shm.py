@@ -5,7 +5,8 @@ model in the same processes; steps alternate between variants (the order reverse
 step) behind a barrier, so all see the same machine load. Reported: the median step time
 (a step lasts as long as its slowest rank), the ratio to PyTorch's DDP with the same
 optimizer, and the median CPU time per step of the busiest rank (all its threads: a rank
-that spins while it waits shows up here).
+that spins while it waits shows up here). The SGD tables also time each rank stepping alone,
+with no gradient exchange: the compute floor, under which no DDP's step can go.
 
     python -m benchmarks.ddp_shm                  # 2 ranks: MLP 8x1024 SGD, ResNet-18 SGD, MLP Adam + ZeRO-1
     python -m benchmarks.ddp_shm --nprocs 4       # oversubscribed on a 2-core machine
@@ -47,16 +48,24 @@ def _torch(m):
     return nn.parallel.DistributedDataParallel(m)
 
 
+# Each rank steps its own copy with no gradient exchange at all: the compute-only step, in
+# the same processes and under the same load. No DDP can be faster; its ratio to PyTorch's DDP
+# is the lowest ratio ours can reach.
+FLOOR = "no DDP: each rank alone (the compute floor)"
+
+
 # table -> (model, [(label, wrap, make optimizer)], reference label)
 TABLES = {
     "mlp-sgd": ("mlp", [
         ("ours, shared memory", _ours(), _sgd),
         ("ours, gloo (shm=False)", _ours(False), _sgd),
         ("torch DDP", _torch, _sgd),
+        (FLOOR, lambda m: m, _sgd),
     ], "torch DDP"),
     "resnet18-sgd": ("resnet18", [
         ("ours, shared memory", _ours(), _sgd),
         ("torch DDP", _torch, _sgd),
+        (FLOOR, lambda m: m, _sgd),
     ], "torch DDP"),
     "mlp-adam": ("mlp", [
         ("ours, shared memory + ZeRO-1 Adam", _ours(),
