@@ -92,8 +92,8 @@ def pytest_collection_modifyitems(config, items):
 # a server that imported torch once, where it would import torch itself for seconds of CPU. The
 # tests of the template itself, of which process is whose parent and of what the launcher adopts
 # start their own (OWN_TEMPLATE); DPTRAIN_TEST_SHARED_TEMPLATES=0 makes every test do so.
-# (A job inside a network namespace has an import key of its own: it is served only by a server
-# started inside that namespace, which benchmarks/netlink.py stops with the namespace's other processes.)
+# A job inside a network namespace (the NAMESPACES files' nodes) is served too: its template enters
+# the namespace, and its launcher starts its key's server outside it (the namespace lasts one test).
 OWN_TEMPLATE = {
     "tests/launcher/test_template.py", "tests/launcher/test_inplace_launcher.py",
     "tests/launcher/test_launch_lifecycle.py",

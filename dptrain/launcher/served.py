@@ -30,8 +30,8 @@ template, and the ones after it are served. No launcher waits for a server's imp
 keep its rendezvous store, which the other nodes wait for, closed meanwhile. A server ends after
 ``IDLE_S`` seconds without a template alive, when its folder is gone, or at SIGTERM; the
 templates it forked do not depend on it. A launcher in a network or mount namespace its parent
-is not in (``ip netns exec``) starts none (the namespace may last one job) but is served by one
-that runs.
+is not in (``ip netns exec``) starts it in its parent's namespaces (the launcher's may last one
+job; entering them takes root, as ``ip netns exec`` does), and is served like any other.
 
 What differs from a template the launcher starts itself: the template is the server's child,
 so the launcher cannot adopt its children (they get the parent-death signal when it dies, as
@@ -107,6 +107,40 @@ def import_key(environ: dict[str, str], cwd: str | None = None, executable: str 
 #: The namespaces a served template enters from its launcher, where they are not the server's, with
 #: their ``CLONE_*`` flags for ``setns`` (the mount namespace last: it resets the working directory).
 ENTERED_NAMESPACES = (("net", 0x40000000), ("uts", 0x04000000), ("ipc", 0x08000000), ("mnt", 0x00020000))
+
+
+_LIBC = None
+
+
+def _libc():
+    """The C library, loaded once (and before a fork whose child calls ``setns``: no ``dlopen`` there)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
+
+
+def enter_namespaces(pid: int) -> None:
+    """Enter the network, UTS, IPC and mount namespaces of process ``pid`` that are not this
+    process's; OSError where Linux refuses (``setns`` needs the rights ``ip netns`` needs: root).
+    The caller has one thread, as ``setns`` of a mount namespace requires (a child just forked)."""
+    for kind, flag in ENTERED_NAMESPACES:
+        theirs = f"/proc/{pid}/ns/{kind}"
+        there, here = os.stat(theirs), os.stat(f"/proc/self/ns/{kind}")
+        if (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino):
+            continue
+        libc = _libc()
+        fd = os.open(theirs, os.O_RDONLY)
+        try:
+            if libc.setns(fd, flag) != 0:
+                import ctypes  # (loaded by _libc)
+
+                err = ctypes.get_errno()
+                raise OSError(err, f"cannot enter the {kind} namespace of process {pid}: {os.strerror(err)}")
+        finally:
+            os.close(fd)
 
 
 def _namespaces() -> list[int | None]:
@@ -261,7 +295,11 @@ def _note(folder: str, key: str, environ: dict[str, str]) -> None:
                 with contextlib.suppress(OSError):
                     os.unlink(stale)
         return
-    if not _may_start_here():
+    # Under `ip netns exec` the launcher's network and mount namespaces may last one job: its
+    # server is started in its parent's instead (where its user may enter them), as if that
+    # parent had started it.
+    outer = None if _may_start_here() else os.getppid()
+    if outer is not None and not _may_enter(outer):
         return
 
     def create(name: str) -> int | None:
@@ -277,7 +315,7 @@ def _note(folder: str, key: str, environ: dict[str, str]) -> None:
     fd = create(key + ".starting")
     if fd is None:
         return  # another launcher starts it
-    pid = _start_server(folder, key, environ)
+    pid = _start_server(folder, key, environ, outer)
     if pid is None:
         os.close(fd)
         os.unlink(starting)
@@ -296,7 +334,7 @@ def _read_pid(path: str) -> int | None:
 
 
 def _may_start_here() -> bool:
-    """Whether a server started by this process would outlive its job: not from a network or mount
+    """Whether a server started by this process would outlive its job: not in a network or mount
     namespace entered for this launcher alone (``ip netns exec``: its parent's differ), which may
     last one job and end the server with it."""
     parent = os.getppid()
@@ -307,15 +345,25 @@ def _may_start_here() -> bool:
         return True  # its parent's cannot be read (another user's): as where namespaces are not used
 
 
-def _start_server(folder: str, key: str, environ: dict[str, str]) -> int | None:
-    """Start ``key``'s server, in a session of its own that outlives this launcher; its pid."""
+def _may_enter(pid: int) -> bool:
+    """Whether this process may enter the namespaces of process ``pid`` (``setns`` needs
+    CAP_SYS_ADMIN, which ``ip netns exec`` needs too: root)."""
+    return os.geteuid() == 0 and all(os.access(f"/proc/{pid}/ns/{kind}", os.R_OK) for kind, _ in ENTERED_NAMESPACES)
+
+
+def _start_server(folder: str, key: str, environ: dict[str, str], outer: int | None = None) -> int | None:
+    """Start ``key``'s server, in a session of its own that outlives this launcher; its pid.
+    ``outer``: a process whose network, UTS, IPC and mount namespaces the server starts in."""
     from dptrain.launcher.spare import command
 
+    if outer is not None:
+        _libc()  # loaded here, not in the forked child
     try:
         proc = subprocess.Popen(command("dptrain.launcher.template_server", folder, [key],
                                         room_for=["x" * COMMAND_ROOM]),
                                 env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True, cwd="/")
-    except OSError:
+                                stderr=subprocess.DEVNULL, start_new_session=True, cwd="/",
+                                preexec_fn=None if outer is None else lambda: enter_namespaces(outer))
+    except (OSError, subprocess.SubprocessError):
         return None
     return proc.pid

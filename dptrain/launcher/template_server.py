@@ -18,7 +18,7 @@ import struct
 import sys
 import time
 
-from dptrain.launcher.served import ANSWER_WAIT_S, ENTERED_NAMESPACES, IDLE_S, short_path
+from dptrain.launcher.served import ANSWER_WAIT_S, IDLE_S, enter_namespaces, short_path
 
 __all__ = ["main"]
 
@@ -175,29 +175,6 @@ def _reap(conns: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-def _enter_namespaces(launcher: int) -> None:
-    """Enter the network, UTS, IPC and mount namespaces of process ``launcher`` that are not this
-    process's (a launcher under ``ip netns exec``); OSError where Linux refuses (see ``served``).
-    This process has one thread, as ``setns`` of a mount namespace requires."""
-    libc = None
-    for kind, flag in ENTERED_NAMESPACES:
-        theirs = f"/proc/{launcher}/ns/{kind}"
-        there, here = os.stat(theirs), os.stat(f"/proc/self/ns/{kind}")
-        if (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino):
-            continue
-        if libc is None:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(theirs, os.O_RDONLY)
-        try:
-            if libc.setns(fd, flag) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"cannot enter the launcher's {kind} namespace: {os.strerror(err)}")
-        finally:
-            os.close(fd)
-
-
 def _be_template(req: dict, fds: list[int]) -> int:
     """In the forked child: take on the launcher's session, descriptors, directory, environment
     and ``sys.path[0]``, then be its template (``template.run``)."""
@@ -214,7 +191,7 @@ def _be_template(req: dict, fds: list[int]) -> int:
     os.close(fds[1])
     launcher = int(req["launcher"])
     try:
-        _enter_namespaces(launcher)
+        enter_namespaces(launcher)
         os.chdir(req["cwd"])
     except OSError as exc:  # the launcher sees the template gone (this line its last), and starts its ranks afresh
         print(f"the template server could not make this the launcher's template: {exc}", file=sys.stderr, flush=True)

@@ -194,13 +194,9 @@ def test_a_killed_launcher_stops_its_served_ranks_and_not_the_server(warm):
 def test_a_job_inside_a_network_namespace_is_served_with_ranks_inside_it(warm):
     # `ip netns exec NS dptrain run ...`: the template the server forks enters the launcher's network
     # and mount namespaces, so that the ranks rendezvous on the namespace's loopback.
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("a network namespace needs root and iproute2")
     ns = f"dpt-served-{os.getpid()}"
-    if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode != 0:
-        pytest.skip("cannot make a network namespace here")
+    _netns_or_skip(ns)
     try:
-        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2",
                str(warm.script)]
         done = subprocess.run(cmd, cwd=str(warm.tmp), env=_env(warm.named), capture_output=True, text=True,
@@ -211,13 +207,58 @@ def test_a_job_inside_a_network_namespace_is_served_with_ranks_inside_it(warm):
         assert len(ranks) == 2 and all(r["net"] == inside for r in ranks), (inside, ranks)
         assert all("dptrain.launcher.template_server" in r["above"] for r in ranks), ranks
     finally:
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except OSError:
-                pass
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _drop_netns(ns)
+
+
+def _netns_or_skip(name):
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a network namespace needs root and iproute2")
+    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a network namespace here")
+    subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+
+
+def _drop_netns(name):
+    for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_jobs_inside_network_namespaces_start_their_server_outside_them(tmp_path):
+    # Every job of a key under `ip netns exec`, none on the host: the second one's launcher starts
+    # the server in its parent's namespaces (its own may last one job), and the jobs after it are
+    # served, their ranks inside the namespace. The server outlives the namespace.
+    ns = f"dpt-outer-{os.getpid()}"
+    _netns_or_skip(ns)
+    folder, private = _folder(tmp_path)
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = _env(folder, MARK="netns-only")
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dptrain", "run", "--nproc-per-node", "2", str(script)]
+    try:
+        for _ in range(2):
+            done = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-3000:]
+        assert _server_listening(private), os.listdir(private)
+        (pid_file,) = [name for name in os.listdir(private) if name.endswith(".pid")]
+        with open(os.path.join(private, pid_file)) as fh:
+            server = int(fh.read())
+        assert os.stat(f"/proc/{server}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino  # not the namespace's
+        assert os.stat(f"/proc/{server}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino
+        done = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        ranks = [json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines() if "] {" in line]
+        inside = os.stat(f"/run/netns/{ns}").st_ino
+        assert len(ranks) == 2 and all(r["net"] == inside for r in ranks), (inside, ranks)
+        assert all("dptrain.launcher.template_server" in r["above"] for r in ranks), ranks
+        _drop_netns(ns)
+        assert _proc.running(server)
+    finally:
+        _drop_netns(ns)
+        _stop_servers(private)
 
 
 def test_the_files_of_a_server_that_was_killed_are_cleared_for_the_next_one(tmp_path):
