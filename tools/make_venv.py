@@ -14,9 +14,8 @@ Two cases, decided by the Python that runs this script:
   requirement is installed in it with dptrain, in the same pip command: letting pip resolve
   ``torch>=2.4`` by itself would pull a CUDA build of several GB.
 
-Then dptrain is installed in editable mode with its ``examples`` and ``test`` extras, and
-bytecode is written: of what jobs and tests import in a new environment (``write_bytecode``),
-of all that pip added in a layered one. When
+Then dptrain is installed in editable mode with its ``examples`` and ``test`` extras, and the
+bytecode of what pip installed is written by one process per CPU. When
 the environment can already build it (setuptools 70.1 or newer, or setuptools with
 ``wheel``), pip builds it without an isolated build environment, so that nothing is fetched
 for the build either: with everything present, the set-up works offline.
@@ -92,47 +91,6 @@ def layer_over_this_python(path: str) -> None:
         os.chmod(torchrun, 0o755)
 
 
-# What jobs, the examples and `make test` import: the bytecode of these modules (and of what
-# they import) is written once at set-up, by importing them in two processes side by side.
-# pip would write the bytecode of every file it installs, one after another (16,500 files here,
-# half of the set-up's time), most of which nothing imports; and where PYTHONDONTWRITEBYTECODE is
-# set (CI images set it) no later process writes any, so every one of the suite's hundreds of
-# interpreters would compile torch again. A module left out still works: it is compiled when
-# imported.
-WARM = (
-    ("torch", "torch._dynamo", "torch.distributed.run", "torch.nn.parallel", "torch.distributed.fsdp",
-     "torch.distributed.algorithms.ddp_comm_hooks", "torch.utils.data", "numpy", "dptrain"),
-    ("pytest", "xdist", "hypothesis", "tqdm", "safetensors.torch", "torch.utils.tensorboard", "matplotlib.pyplot",
-     "sklearn.datasets", "sklearn.metrics", "jsonargparse", "wandb", "mlflow", "datasets", "webdataset",
-     "ipykernel.kernelapp", "nbclient", "nbformat"),
-)
-
-# Run inside the new environment: import each module named in argv (dptrain with every
-# submodule but __main__), going on past any that fails -- an extra may be missing.
-_IMPORT = """
-import importlib, pkgutil, sys
-for name in sys.argv[1:]:
-    try:
-        module = importlib.import_module(name)
-        if name == "dptrain":
-            for sub in pkgutil.walk_packages(module.__path__, "dptrain."):
-                if not sub.name.endswith("__main__"):
-                    importlib.import_module(sub.name)
-    except BaseException:
-        pass
-"""
-
-
-def write_bytecode(python: str) -> None:
-    """Write the bytecode of the modules in WARM (see there); best effort, never fails the set-up."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["MPLBACKEND"] = "Agg"  # matplotlib.pyplot on a machine without a screen
-    procs = [subprocess.Popen([python, "-c", _IMPORT, *names], env=env, cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for names in WARM]
-    for proc in procs:
-        proc.wait()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", default=".venv", help="where to create the environment (default .venv)")
@@ -156,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         requirements = [args.torch]
 
     flags = ["--no-build-isolation"] if subprocess.call([python, "-c", _CAN_BUILD]) == 0 else []
-    # --no-compile: see write_bytecode.
+    # --no-compile: pip writes the bytecode of the 16,500 files it installs here one after
+    # another (about a minute); compileall below spreads it over the CPUs. Every module gets its
+    # bytecode now: where PYTHONDONTWRITEBYTECODE is set (CI images set it), a module without it
+    # would be compiled again by every process that imports it.
     cmd = [python, "-m", "pip", "install", "-q", "--no-compile", *flags, *requirements, "-e", f"{ROOT}[examples,test]"]
     if subprocess.call(cmd) != 0:
         print(f"dptrain: installing into {args.venv} failed (see pip's message above). Offline, every dependency "
@@ -164,12 +125,9 @@ def main(argv: list[str] | None = None) -> int:
               "build without network; or install into your own environment with: pip install -e .",
               file=sys.stderr)
         return 1
-    if requirements:
-        write_bytecode(python)
-    else:
-        # Layered: the environment's own folder holds only what pip added beside the user's
-        # packages (whose bytecode their own install wrote), often nothing: all of it, on every CPU.
-        subprocess.call([python, "-m", "compileall", "-q", "-j", "0", venv_purelib(python)], stdout=subprocess.DEVNULL)
+    # The bytecode of what pip put in the environment's own folder (a layered one's base packages
+    # are the user's, their bytecode written by their own install), by one process per CPU.
+    subprocess.call([python, "-m", "compileall", "-q", "-j", "0", venv_purelib(python)], stdout=subprocess.DEVNULL)
     return 0
 
 
