@@ -26,7 +26,7 @@ def _kill_and_reap(pid):
             with open(f"/proc/{pid}/stat") as fh:
                 if fh.read().rsplit(")", 1)[1].split()[0] in "ZX":
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped, also between the open and the read (ESRCH)
             return
         time.sleep(0.01)
     raise AssertionError(f"pooled rank {pid} did not die")
