@@ -222,6 +222,30 @@ def cuda_driver_loaded(maps: str = "/proc/self/maps") -> str:
     return ""
 
 
+class ChildExits:
+    """SIGCHLD as a descriptor a ``select`` loop can wait on (``fd``): readable when a child ended.
+    Used by a template and by the template server, the two processes that fork and reap."""
+
+    def __init__(self) -> None:
+        self.fd, self._w = os.pipe()
+        for fd in (self.fd, self._w):
+            os.set_blocking(fd, False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wake-up descriptor is written
+        signal.set_wakeup_fd(self._w)
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.fd, 512):  # empty it: one SIGCHLD may stand for several children
+                pass
+
+    def close(self) -> None:
+        """SIGCHLD back to its default (in a forked child, which reaps nobody)."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.close(self.fd)
+        os.close(self._w)
+
+
 def _serve(sock: socket.socket, launcher_alive: Callable[[], bool]) -> list[int] | None:
     """Fork on request and report children's exits until the launcher's end closes (None);
     in a child, return the three descriptors it was given."""
@@ -232,18 +256,12 @@ def _serve(sock: socket.socket, launcher_alive: Callable[[], bool]) -> list[int]
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wake-up descriptor is written
+    wake = ChildExits()
     signal.signal(signal.SIGTERM, on_term)
-    signal.set_wakeup_fd(wake_w)
     while True:
-        ready, _, _ = select.select([sock, wake_r], [], [])
-        if wake_r in ready:
-            with contextlib.suppress(BlockingIOError):
-                while os.read(wake_r, 512):  # empty it: one SIGCHLD may stand for several children
-                    pass
+        ready, _, _ = select.select([sock, wake.fd], [], [])
+        if wake.fd in ready:
+            wake.drain()
         _reap(sock, children)
         if sock not in ready:
             continue
@@ -262,11 +280,8 @@ def _serve(sock: socket.socket, launcher_alive: Callable[[], bool]) -> list[int]
             _send(sock, {"error": f"fork failed: {exc}"})
             continue
         if pid == 0:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            wake.close()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.close(wake_r)
-            os.close(wake_w)
             sock.close()
             return fds
         children.add(pid)

@@ -12,13 +12,13 @@ import gc
 import json
 import os
 import select
-import signal
 import socket
 import struct
 import sys
 import time
 
 from dptrain.launcher.served import ANSWER_WAIT_S, IDLE_S, enter_namespaces, short_path
+from dptrain.launcher.template import ChildExits
 
 __all__ = ["main"]
 
@@ -82,27 +82,18 @@ def _remove_own_files(folder: str, key: str, sock_inode: int) -> None:
 def _serve(listener: socket.socket, folder: str, imported: set[str]) -> tuple[dict, list[int]] | None:
     """Fork a template per request until idle (None); in a child, return its request and descriptors."""
     conns: dict[int, socket.socket] = {}  # a live template's pid -> its launcher's connection
-    wake_r, wake_w = os.pipe()
-    for fd in (wake_r, wake_w):
-        os.set_blocking(fd, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wake-up descriptor is written
-    signal.set_wakeup_fd(wake_w)
+    wake = ChildExits()
     last = time.monotonic()
     while True:
-        ready = select.select([listener, wake_r], [], [], 1.0)[0]
-        if wake_r in ready:
-            with contextlib.suppress(BlockingIOError):
-                while os.read(wake_r, 512):
-                    pass
+        ready = select.select([listener, wake.fd], [], [], 1.0)[0]
+        if wake.fd in ready:
+            wake.drain()
         _reap(conns)
         if listener in ready:
             last = time.monotonic()
             forked = _fork_one(listener, conns, imported)
             if forked is not None:
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for fd in (wake_r, wake_w):
-                    os.close(fd)
+                wake.close()
                 for conn in conns.values():
                     conn.close()
                 listener.close()
