@@ -14,8 +14,7 @@ Two cases, decided by the Python that runs this script:
   requirement is installed in it with dptrain, in the same pip command: letting pip resolve
   ``torch>=2.4`` by itself would pull a CUDA build of several GB.
 
-Then dptrain is installed in editable mode with its ``examples`` and ``test`` extras, and the
-bytecode of what pip installed is written by one process per CPU. When
+Then dptrain is installed in editable mode with its ``examples`` and ``test`` extras. When
 the environment can already build it (setuptools 70.1 or newer, or setuptools with
 ``wheel``), pip builds it without an isolated build environment, so that nothing is fetched
 for the build either: with everything present, the set-up works offline.
@@ -114,10 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         requirements = [args.torch]
 
     flags = ["--no-build-isolation"] if subprocess.call([python, "-c", _CAN_BUILD]) == 0 else []
-    # --no-compile: pip writes the bytecode of the 16,500 files it installs here one after
-    # another (about a minute); compileall below spreads it over the CPUs. Every module gets its
-    # bytecode now: where PYTHONDONTWRITEBYTECODE is set (CI images set it), a module without it
-    # would be compiled again by every process that imports it.
+    # --no-compile: pip would write the bytecode of all 16,500 files it installs here, one after
+    # another (about a minute), most of them never imported. The Makefile's targets let the first
+    # process that imports a module write its bytecode instead (see BYTECODE there).
     cmd = [python, "-m", "pip", "install", "-q", "--no-compile", *flags, *requirements, "-e", f"{ROOT}[examples,test]"]
     if subprocess.call(cmd) != 0:
         print(f"dptrain: installing into {args.venv} failed (see pip's message above). Offline, every dependency "
@@ -125,9 +123,6 @@ def main(argv: list[str] | None = None) -> int:
               "build without network; or install into your own environment with: pip install -e .",
               file=sys.stderr)
         return 1
-    # The bytecode of what pip put in the environment's own folder (a layered one's base packages
-    # are the user's, their bytecode written by their own install), by one process per CPU.
-    subprocess.call([python, "-m", "compileall", "-q", "-j", "0", venv_purelib(python)], stdout=subprocess.DEVNULL)
     return 0
 
 
