@@ -263,8 +263,9 @@ def _join_job(world: World, backend: str, td: datetime.timedelta) -> dist.Store:
         join_keys.append("joined", f"{world.rank},")
         with _regroup.recording_connections(0) if _in_place() else nullcontext():
             group_keys = _prefixed(base, world, _heartbeat.PROCESS_GROUP_PART + again)
-            dist.init_process_group(backend, store=group_keys, rank=world.rank, world_size=world.world_size,
-                                    timeout=td)
+            # A failed init leaves torch's group numbering as it was: an init again in this process
+            # meets its peers' (see [Note: a group that failed to form] in dptrain.runtime.regroup).
+            _regroup.init_group(backend, group_keys, world.rank, world.world_size, td)
         _join.wait_until_all_ready(join_keys, world.world_size, td, hosts_store=_hosts_store(world))
     except Exception as exc:  # noqa: BLE001 - every failure to join gets what it waited for
         raise watch.failure(exc) from exc

@@ -35,7 +35,7 @@ from dptrain.runtime import heartbeat as _heartbeat
 
 __all__ = ["generation_key", "newest_generation", "failure_after", "wait_for_generation", "form", "world_at",
            "newcomers_ready", "JobFinished", "FINISHED", "FALLBACK_EXIT", "FALLBACK", "announcement", "prefixed",
-           "recording_connections", "cut_connections", "leave_if_broken", "on_leaving"]
+           "recording_connections", "cut_connections", "leave_if_broken", "on_leaving", "init_group"]
 
 #: Written (rank 0) when a job that lets nodes in has finished: a newcomer still waiting to join exits.
 FINISHED = "recovery/finished"
@@ -434,5 +434,27 @@ def form(base: Any, keys: Any, world: Any, backend: str, timeout: datetime.timed
             continue
         store = prefixed(base, here.launch_attempt, f"{_heartbeat.PROCESS_GROUP_PART}/gen{g}")
         with recording_connections(g):
-            dist.init_process_group(backend, store=store, rank=here.rank, world_size=here.world_size, timeout=timeout)
+            init_group(backend, store, here.rank, here.world_size, timeout)
         return g, here
+
+
+# [Note: a group that failed to form]
+# torch names a default group by a counter that every init_process_group bumps and only the
+# destruction of a default group resets. An init that fails -- a member dies while the group
+# connects ("Gloo connectFullMesh failed ... Connection closed by peer") -- leaves no group to
+# destroy and the counter one up: this rank's next group would be "1" where its peers' is "0",
+# its keys under another prefix of the store, and every member of that generation would wait
+# for the others in init_process_group until the collective timeout. (Seen once in the suite: a
+# replacement that died right after its init, one survivor's init failed, and all three ranks
+# of the next generation sat in init_process_group for 180 s.)
+def init_group(backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """``dist.init_process_group`` that leaves torch's group numbering as it found it when it fails
+    (see [Note: a group that failed to form])."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    count = getattr(world, "group_count", None)
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    except BaseException:
+        if count is not None and not dist.is_initialized():
+            world.group_count = count
+        raise
