@@ -7,14 +7,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# OpenMP threads that wait without spinning, in this process and every one the tests start (they
-# inherit it; OpenMP reads it when torch loads): the suite runs three workers, their ranks and
-# their scripts on a few cores, and torch's intra-op threads (one per core in every process that
-# does not set OMP_NUM_THREADS) spin after each parallel region by default, burning the CPU the
-# other processes wait for. The trainer and DDP files alone: 52.7 -> 42.6 s of wall, 102 -> 82 s
-# of CPU on two cores (benchmarks/RESULTS.md). Numerics are the same; only how idle threads wait.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 
 def pytest_report_header(config):
     # The fault-tolerance tests' kill points come from a fixed seed; say which, so a run can be repeated.
