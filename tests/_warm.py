@@ -72,6 +72,18 @@ class WarmRunner:
 
 
 # ------------------------------------------------------------------ the parent and its children
+def stop_template_servers(private: str) -> None:
+    """SIGTERM every template server of ``private`` (the folder its ``.pid`` files are in, that
+    ``dptrain.launcher.served.servers_folder`` gives); one that is gone already is skipped."""
+    for name in (os.listdir(private) if os.path.isdir(private) else []):
+        if name.endswith(".pid"):
+            try:
+                with open(os.path.join(private, name)) as fh:
+                    os.kill(int(fh.read()), signal.SIGTERM)
+            except (OSError, ValueError):
+                pass
+
+
 def _child(request: dict) -> None:
     """In the forked child: become ``python script`` and exit as it would."""
     code = 0

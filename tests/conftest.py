@@ -114,12 +114,10 @@ def _stop_template_servers(folder):
     import glob
     import shutil
 
-    for path in glob.glob(os.path.join(folder, "*", "*.pid")):
-        try:
-            with open(path) as fh:
-                os.kill(int(fh.read()), signal.SIGTERM)
-        except (OSError, ValueError):
-            pass
+    from tests._warm import stop_template_servers
+
+    for private in glob.glob(os.path.join(folder, "*", "")):  # the servers' private folder(s) inside
+        stop_template_servers(private)
     shutil.rmtree(folder, ignore_errors=True)  # a server that missed the signal sees its folder gone
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from dptrain.launcher import served, template_server
 from dptrain.runtime import proc as _proc
+from tests._warm import stop_template_servers
 
 # One worker runs them all, so that the module's server (the ``warm`` fixture) is started once.
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm template is Linux's"),
@@ -65,16 +66,6 @@ def _run(script, cwd, env, *args):
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     said = [json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines() if "] {" in line]
     return done, sorted(said, key=lambda r: r["rank"])
-
-
-def _stop_servers(folder):
-    for name in (os.listdir(folder) if os.path.isdir(folder) else []):
-        if name.endswith(".pid"):
-            with open(os.path.join(folder, name)) as fh:
-                try:
-                    os.kill(int(fh.read()), signal.SIGTERM)
-                except OSError:
-                    pass
 
 
 def _server_listening(folder, wait_s=60.0):
@@ -258,7 +249,7 @@ def test_jobs_inside_network_namespaces_start_their_server_outside_them(tmp_path
         assert _proc.running(server)
     finally:
         _drop_netns(ns)
-        _stop_servers(private)
+        stop_template_servers(private)
 
 
 def test_the_files_of_a_server_that_was_killed_are_cleared_for_the_next_one(tmp_path):
