@@ -83,3 +83,37 @@ def _late_peer(rank, announce_joining):
 def test_a_collective_that_ends_after_several_slices_returns_its_result(announce_joining):
     for total, abandoned in run_ranks(_late_peer, 2, announce_joining, env=IN_PLACE, timeout=TIMEOUT_S):
         assert total == [6.0, 6.0] and abandoned == 0
+
+
+class _SliceRunsOut(dist.Work):
+    """A gloo handle whose first slice ends ("Operation timed out!") just before the collective does:
+    by the time the wait asks, the handle is completed -- with ``failure``, or without one."""
+
+    def __init__(self, failure=None):
+        super().__init__()
+        self.failure, self.waits = failure, []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if len(self.waits) == 1:
+            raise RuntimeError("Operation timed out!")
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        return True
+
+    def is_completed(self):
+        return len(self.waits) > 0
+
+
+@pytest.mark.parametrize("failure", [None, "Connection closed by peer"])
+def test_a_collective_completed_just_after_its_slice_ran_out_gives_its_own_outcome(monkeypatch, failure):
+    # The race a CI-like run met (rank 0 failed with the slice's "Operation timed out!" although its
+    # late peer's all-reduce had completed): the outcome is the collective's, never the slice's.
+    monkeypatch.setattr(_abandon, "_watched", lambda group: (object(), 0))
+    work = _SliceRunsOut(failure)
+    if failure is None:
+        assert _abandon.wait(work, "an all-reduce") is True
+    else:
+        with pytest.raises(RuntimeError, match=failure):
+            _abandon.wait(work, "an all-reduce")
+    assert work.waits[0] == _abandon._SLICE and len(work.waits) == 2

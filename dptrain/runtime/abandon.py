@@ -125,7 +125,10 @@ def wait(work: Any, name: str, group: Any = None) -> Any:
             return work.wait(_SLICE)
         except RuntimeError:
             if work.is_completed():
-                raise  # the collective's own failure (a peer's end, its timeout): the caller explains it
+                # Either the collective's own failure (a peer's end, its timeout), or the slice
+                # ran out just before the collective completed: a wait on a completed handle
+                # returns at once, or raises that failure for the caller to explain.
+                return work.wait()
         announced = _announced(store, generation)
         if announced is not None:
             newest, said = announced
