@@ -2,6 +2,8 @@ import os
 import signal
 import sys
 
+import pytest
+
 # Tests import helpers as `tests._dist`; ranks started by the harness need the same path.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -33,6 +35,37 @@ KILLS = {
     "tests/launcher/test_inplace_launcher.py", "tests/launcher/test_launch_lifecycle.py",
 }
 SERIAL = NAMESPACES | KILLS
+# One worker runs test_warm_server's tests, so that its module's server (the `warm` fixture) starts once.
+GROUPS = {"namespaces": NAMESPACES, "kills": KILLS, "template-servers": {"tests/launcher/test_warm_server.py"}}
+
+
+def xdist_group(nodeid):
+    """The group a test's node id belongs to (None: scheduled alone)."""
+    path = nodeid.split("::", 1)[0]
+    return next((name for name, files in GROUPS.items() if path in files), None)
+
+
+# [Note: the groups are the scheduler's, not markers]
+# xdist's own loadgroup learns a test's group from an "@group" suffix its workers write into the node
+# id from an xdist_group marker; pytest 9.2's node ids no longer take that write
+# (pytest-dev/pytest-xdist#1386), and a marker added by a conftest hook came after the write anyway:
+# the groups' files ran on every worker at once. So the controller's scheduler asks xdist_group()
+# itself: a loadscope scheduler whose unit is a group, or a test alone, on every pytest and xdist.
+# (optionalhook: without xdist installed the suite runs serially and the hook is unknown.)
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            # An "@group" suffix, where an xdist marker still makes one, names a group too.
+            if nodeid.rfind("@") > nodeid.rfind("]"):
+                return nodeid.rsplit("@", 1)[1]
+            return xdist_group(nodeid) or nodeid
+
+    return FileGroups(config, log)
 
 
 # `make check` (-m "not slow"), the inner loop's subset, leaves these files out: each of their
@@ -75,14 +108,8 @@ SLOW_TESTS = (
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         path = item.nodeid.split("::", 1)[0]
-        if path in NAMESPACES:
-            item.add_marker(pytest.mark.xdist_group("namespaces"))
-        elif path in KILLS:
-            item.add_marker(pytest.mark.xdist_group("kills"))
         if path in SLOW or item.nodeid.startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
 

@@ -17,9 +17,9 @@ from dptrain.launcher import served, template_server
 from dptrain.runtime import proc as _proc
 from tests._warm import stop_template_servers
 
-# One worker runs them all, so that the module's server (the ``warm`` fixture) is started once.
-pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm template is Linux's"),
-              pytest.mark.xdist_group("template-servers")]
+# One worker runs them all (tests/conftest.py's GROUPS), so that the module's server (the ``warm``
+# fixture) is started once.
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm template is Linux's")
 
 SCRIPT = """
 import json, os, sys
