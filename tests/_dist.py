@@ -48,8 +48,7 @@ from tests import _pool
 DEFAULT_TIMEOUT_S = float(os.environ.get("DPTRAIN_TEST_TIMEOUT", "90"))
 
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "dptrain", "dptrain.runtime.env", "dptrain.comm",
-                             "dptrain.parallel", "dptrain.train"])
+_ctx.set_forkserver_preload(["tests._forkserver"])  # torch and dptrain, frozen out of the collector
 
 
 def _rank_main(rank: int, fn, args, backend: str, threads: int):
