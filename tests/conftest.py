@@ -165,7 +165,29 @@ def pytest_runtest_teardown(item, nextitem):
         os.environ[_SERVERS] = folder
 
 
+# The collector and the suite's own process (each xdist worker): collecting imports torch, dptrain
+# and every test module, a million-odd objects that live as long as the process, and a third of a
+# worker's CPU went to collections walking them again and again (perf, 2026-12-07). So the
+# collector is off while they are made, and they are frozen out of it once collected; what the
+# tests themselves make is collected as usual.
+def pytest_collection_finish(session):
+    import gc
+
+    gc.freeze()
+    gc.enable()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    import gc
+
+    gc.enable()  # where nothing was collected here (xdist's controller: its workers collect)
+
+
 def pytest_configure(config):
+    import gc
+
+    gc.disable()  # until the collection is done (above)
     _share_templates(config)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # An xdist worker ignores SIGINT (its controller handles ^C); a process a test forks or
