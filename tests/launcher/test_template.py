@@ -37,7 +37,7 @@ state = {
     "pgid": os.getpgid(0) == os.getpid(), "sigchld": signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL,
     "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler, "stdin": os.read(0, 10).decode(),
     "numpy": int(numpy.random.randint(1 << 30)), "random": random.getrandbits(30),
-    "threads": THREADS, "frozen": gc.get_freeze_count() > 0,
+    "threads": THREADS, "frozen": gc.get_freeze_count() > 0, "collecting": gc.isenabled(),
     "torch_threads": torch.get_num_threads(),
     "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\0"),
     "__file__": __file__,
@@ -124,6 +124,7 @@ def test_a_forked_child_runs_the_program_as_a_fresh_interpreter_would(template):
     assert state["stdin"] == ""  # /dev/null once the task is read, as a rank's
     assert state["threads"] == 1  # forked from the only thread: no import was half done in another
     assert state["frozen"]  # the template's objects stay out of the collector: no page copied for them
+    assert state["collecting"]  # the collector, off while the template imported, is on for the script
     assert err == "to stderr\n"
 
 
