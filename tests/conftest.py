@@ -135,6 +135,12 @@ def _share_templates(config):
     if _SERVERS in os.environ or os.environ.get("DPTRAIN_TEST_SHARED_TEMPLATES", "1") == "0":
         return
     os.environ[_SERVERS] = config._dptrain_servers = tempfile.mkdtemp(prefix="dptrain-templates-")
+    # What scikit-learn (and joblib) put into os.environ when a test first imports them (the digits
+    # example's data): OpenMP settings, so part of a server's import key. Set from the start, every
+    # job of a worker has the key it would have after that import, not one before and one after
+    # (half the suite's jobs met a key whose server was not up yet and imported torch themselves).
+    for name, value in (("KMP_DUPLICATE_LIB_OK", "True"), ("KMP_INIT_AT_FORK", "FALSE")):
+        os.environ.setdefault(name, value)
 
 
 def _stop_template_servers(folder):
