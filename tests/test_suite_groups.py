@@ -14,7 +14,7 @@ from tests.conftest import GROUPS, ROOT, xdist_group
 pytest.importorskip("xdist")
 
 # A stand-in suite: files at the paths of two groups' files and of ungrouped ones, each test a pass
-# (no torch: two xdist workers start in a fraction of a second), scheduled by the suite's own hook.
+# (no torch: three xdist workers start in a fraction of a second), scheduled by the suite's own hook.
 FILES = {
     "tests/test_netlink.py": "namespaces",
     "tests/launcher/test_auth.py": "namespaces",
