@@ -1,6 +1,7 @@
 """What the harness's fork server (tests/_dist.py) imports before it forks ranks: torch and
 dptrain, with the garbage collector off while they load and their objects frozen out of it
-afterwards (``gc.freeze``), as dptrain's warm template does (see dptrain/launcher/template.py).
+afterwards (``gc.freeze``), as dptrain's warm template does (``spare._collector_off``, see
+dptrain/launcher/template.py).
 
 Without the freeze every forked rank (each pooled world's, each fresh call's) met the fork
 server's million-odd imported objects again in its first full collection: seconds of CPU per
@@ -10,8 +11,9 @@ the dozens of collections an import of this size sets off (a quarter of its CPU)
 """
 import gc
 
-gc.disable()
-try:
+from dptrain.launcher.spare import _collector_off
+
+with _collector_off():
     import numpy  # noqa: F401
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
@@ -21,6 +23,4 @@ try:
     import dptrain.parallel  # noqa: F401
     import dptrain.runtime.env  # noqa: F401
     import dptrain.train  # noqa: F401
-finally:
     gc.freeze()
-    gc.enable()

@@ -1,3 +1,4 @@
+import gc
 import os
 import signal
 import sys
@@ -177,22 +178,15 @@ def pytest_runtest_teardown(item, nextitem):
 # collector is off while they are made, and they are frozen out of it once collected; what the
 # tests themselves make is collected as usual.
 def pytest_collection_finish(session):
-    import gc
-
     gc.freeze()
-    gc.enable()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session):
-    import gc
-
-    gc.enable()  # where nothing was collected here (xdist's controller: its workers collect)
+    gc.enable()  # every process runs this after collecting (xdist's controller too, which collects nothing)
 
 
 def pytest_configure(config):
-    import gc
-
     gc.disable()  # until the collection is done (above)
     _share_templates(config)
     if os.environ.get("PYTEST_XDIST_WORKER"):

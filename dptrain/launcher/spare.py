@@ -43,6 +43,7 @@ the standard library at its top (the launcher imports it too, and never imports 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -62,20 +63,28 @@ __all__ = ["Spares", "main"]
 OMP_AT_IMPORT: tuple[str | None] | None = None
 
 
-def _warm_up() -> None:
-    """Import what every dptrain rank imports (see [Note: what a spare imports ahead]), with the
-    garbage collector off meanwhile: those imports make a million-odd objects, and the dozens of
-    collections that growth sets off are a fifth of their CPU (0.5 s of a template's 2.4 s on a
-    2-core machine); nothing they make is garbage worth collecting before they are done."""
+@contextlib.contextmanager
+def _collector_off():
+    """The garbage collector off inside the block (back on after it, if it was on): for imports of
+    torch's size, a million-odd objects whose growth sets off dozens of collections, a fifth of
+    their CPU (0.5 s of a template's 2.4 s on a 2-core machine), while nothing they make is garbage
+    worth collecting before they are done."""
     import gc
 
     was_on = gc.isenabled()
     gc.disable()
     try:
-        _import_ahead()
+        yield
     finally:
         if was_on:
             gc.enable()
+
+
+def _warm_up() -> None:
+    """Import what every dptrain rank imports (see [Note: what a spare imports ahead]), with the
+    collector off meanwhile (``_collector_off``)."""
+    with _collector_off():
+        _import_ahead()
 
 
 def _import_ahead() -> None:
