@@ -101,8 +101,10 @@ class GradBucket:
     size); ``gradients()`` are views of it shaped like ``parameters()``.
     """
 
-    def __init__(self, index: int, buffer: torch.Tensor, views: list, params: list, is_last: bool) -> None:
+    def __init__(self, index: int, buffer: torch.Tensor, views: list, params: list, is_last: bool,
+                 direct: list | None = None) -> None:
         self._index, self._buffer, self._views, self._params, self._is_last = index, buffer, views, params, is_last
+        self._direct = direct  # see [Note: a hook that reads the gradients itself] in the reducer
 
     def index(self) -> int:
         return self._index
@@ -118,6 +120,12 @@ class GradBucket:
 
     def is_last(self) -> bool:
         return self._is_last
+
+    def direct_gradients(self) -> list[torch.Tensor] | None:
+        """dptrain's reducer only: the parameters' own ``.grad`` where this bucket's gradients were
+        not copied into ``buffer()``, and the hook must write the averaged ones there (see [Note: a
+        hook that reads the gradients itself] in the reducer); None otherwise."""
+        return self._direct
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
         """Replace the buffer's contents; a tensor of another dtype replaces the buffer itself."""

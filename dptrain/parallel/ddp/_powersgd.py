@@ -169,8 +169,11 @@ class _BucketPlan:
             offsets.append(off)
             off += g.numel()
         self.numel_before = off
+        self.offsets = offsets
+        self.numels = [g.numel() for g in grads]
         groups: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
         self.vectors: list[tuple[int, int]] = []  # (offset, numel) of each uncompressed gradient
+        self.vector_params: list[int] = []  # and its place in the bucket
         compressed = 0
         for i, g in enumerate(grads):
             n = g.shape[0] if g.dim() > 0 else 1
@@ -181,20 +184,27 @@ class _BucketPlan:
                 compressed += (n + m) * r
             else:
                 self.vectors.append((offsets[i], g.numel()))
+                self.vector_params.append(i)
                 compressed += g.numel()
         self.numel_after = compressed
         self.vector_numel = sum(n for _, n in self.vectors)
         # (offset, n, m, group, position in group) per compressed matrix, in group order.
         self.matrices: list[tuple[int, int, int]] = []
+        self.matrix_params: list[int] = []  # their places in the bucket
         self.groups: list[tuple[int, int, int, int]] = []  # (n, m, r, count)
         for (n, m), members in groups.items():
             r = min(n, m, state.matrix_approximation_rank)
             self.groups.append((n, m, r, len(members)))
             self.matrices.extend((offsets[i], n, m) for i in members)
+            self.matrix_params.extend(members)
         self.p_numel = sum(b * n * r for n, _, r, b in self.groups)
         self.q_numel = sum(b * m * r for _, m, r, b in self.groups)
         self.vector_sizes = [n for _, n in self.vectors]
         self.first = buffer.new_empty(self.p_numel + self.vector_numel)  # P, then the uncompressed
+
+    def flat_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each gradient's place in ``flat`` (the bucket's layout), one-dimensional."""
+        return [flat[o : o + n] for o, n in zip(self.offsets, self.numels)]
 
     def views(self, p_mem: torch.Tensor, q_mem: torch.Tensor) -> tuple[list, list, list, list]:
         """Per group (B,n,r) P and (B,r,m) Q^T; per matrix (n,r) P and (r,m) Q^T."""
@@ -288,13 +298,23 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
     buffer = bucket.buffer()
     index = bucket.index()
     plan, fresh = _plan_for(state, bucket, buffer)
-    source = buffer
+    # Each gradient's input and output: the buffer's views, or with dptrain's reducer the .grad
+    # tensors themselves, neither copied into the buffer nor copied back (see [Note: a hook that
+    # reads the gradients itself] in dptrain/parallel/ddp/_reducer.py). Same operations either way.
+    direct = getattr(bucket, "direct_gradients", None)
+    grads = direct() if direct is not None else None
+    outs = plan.flat_views(buffer) if grads is None else [g.view(-1) for g in grads]
+    ins = outs
     if state.use_error_feedback:
         error = state.error_dict.get(index)
         if error is None:
             error = state.error_dict[index] = torch.zeros_like(buffer)
-        error.add_(buffer)  # now the corrected gradient; the error again after decompression
-        source = error
+        # Now the corrected gradient; the error again after decompression.
+        ins = plan.flat_views(error)
+        if grads is None:
+            error.add_(buffer)
+        else:
+            torch._foreach_add_(ins, outs)
     state.total_numel_before_compression += plan.numel_before
     state.total_numel_after_compression += plan.numel_after
     _report_stats(state, bucket)
@@ -305,10 +325,10 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
     state.p_memory_dict[index] = p_mem
     vectors = first[plan.p_numel :]
     if plan.vectors:
-        torch.cat([source[o : o + n] for o, n in plan.vectors], out=vectors)
+        torch.cat([ins[k] for k in plan.vector_params], out=vectors)
     if plan.matrices:
         p_groups, q_groups, ps, qts = plan.views(p_mem, q_mem)
-        mats = [source[o : o + n * m].view(n, m) for o, n, m in plan.matrices]
+        mats = [ins[k].view(n, m) for k, (_, n, m) in zip(plan.matrix_params, plan.matrices)]
         if fresh:
             _random_q(state, plan, q_groups, qts)
         else:
@@ -321,7 +341,7 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
 
     if plan.vectors:
         vectors.div_(world_size)
-        torch._foreach_copy_([buffer[o : o + n] for o, n in plan.vectors], list(vectors.split(plan.vector_sizes)))
+        torch._foreach_copy_([outs[k] for k in plan.vector_params], list(vectors.split(plan.vector_sizes)))
     if plan.matrices:
         for pg in p_groups:
             _orthonormalize_rows_(pg.transpose(1, 2), state.orthogonalization_epsilon)
@@ -330,10 +350,13 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
         yield issue_all_reduce(q_mem, group), "PowerSGD all-reduce of Q"
 
         q_mem.div_(world_size)
-        for (o, n, m), p, qt in zip(plan.matrices, ps, qts):
-            _decompress(p, qt, buffer[o : o + n * m].view(n, m))
+        for k, (_, n, m), p, qt in zip(plan.matrix_params, plan.matrices, ps, qts):
+            _decompress(p, qt, outs[k].view(n, m))
     if state.use_error_feedback:
-        error.sub_(buffer)
+        if grads is None:
+            error.sub_(buffer)
+        else:
+            torch._foreach_sub_(ins, outs)
     if not state.warm_start:
         state.p_memory_dict.pop(index, None)
         state.q_memory_dict.pop(index, None)
@@ -347,6 +370,15 @@ def _report_stats(state: PowerSGDState, bucket: Any) -> None:
         logger.info("Compression stats: iter %s, total before compression %s, total after compression %s, rate %s",
                     state.iter, before, after, rate)
         state.next_stats_report = state.iter + state.compression_stats_logging_frequency
+
+
+def _reads_gradients(state: PowerSGDState) -> bool:
+    """Whether the hook's next bucket may come with its ``.grad`` tensors instead of copies (dptrain's
+    reducer asks; see [Note: a hook that reads the gradients itself] there): once it compresses with
+    error feedback. The matrix products then read the error buffer, laid out as the bucket is, either
+    way; without error feedback they would read ``.grad`` instead of the bucket's views, and BLAS may
+    round a product differently at another memory alignment (measured: 1 ulp-sized differences)."""
+    return state.use_error_feedback and state.iter >= state.start_powerSGD_iter
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -374,3 +406,6 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         state._pipeline = HookPipeline(group)
     job = _compress_bucket(state, bucket, group, dist.get_world_size(group))
     return state._pipeline.submit(job, bucket.index(), bucket.is_last())
+
+
+powerSGD_hook.reads_gradients = _reads_gradients

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn import functional as F
@@ -103,6 +104,88 @@ def test_powersgd_with_error_feedback_converges_like_fp32():
     assert finals["fp32"] < 0.1, finals
     assert finals["powersgd"] < finals["fp32"] + 0.05, finals
     assert finals["no_feedback"] > 10 * finals["powersgd"], finals  # error feedback is what makes it work
+
+
+class _Mixed(nn.Module):
+    """Compressed matrices of two shapes, small matrices and vectors sent whole, in several buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(40, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.small, self.norm = nn.Linear(64, 3), nn.LayerNorm(3)
+
+    def forward(self, x):
+        return self.norm(self.small(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x))))))))
+
+
+def _as_plain_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return comm_hooks.powerSGD_hook(state, bucket)  # no reads_gradients: the reducer copies in and out
+
+
+def _direct_against_copies(rank):
+    """Ours on our DDP, where PowerSGD reads and writes .grad itself, against the same hook given
+    the bucket's copies (wrapped, so the reducer does not know it): the parameters after each
+    step, bit for bit, for several settings; and how many buckets went each way."""
+    out = {}
+    for key, kwargs in (("r1", dict(matrix_approximation_rank=1)), ("r4", dict(matrix_approximation_rank=4)),
+                        ("no_feedback", dict(matrix_approximation_rank=2, use_error_feedback=False)),
+                        ("cold", dict(matrix_approximation_rank=2, warm_start=False))):
+        torch.manual_seed(0)
+        base = _Mixed()
+        runs = {}
+        for way, hook in (("direct", comm_hooks.powerSGD_hook), ("copies", _as_plain_hook)):
+            model = dptrain.DDP(copy.deepcopy(base), bucket_cap_mb=0.01)
+            model.register_comm_hook(comm_hooks.PowerSGDState(None, start_powerSGD_iter=2, **kwargs), hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            g = torch.Generator().manual_seed(rank)
+            steps, direct = [], 0
+            for step in range(6):
+                opt.zero_grad(set_to_none=step % 2 == 0)  # both: fresh gradients, and gradients kept
+                model(torch.randn(8, 40, generator=g)).pow(2).mean().backward()
+                direct += sum(model.reducer._direct)
+                opt.step()
+                steps.append([p.detach().clone() for p in model.parameters()])
+            runs[way] = (steps, direct, len(model.reducer.buckets))
+        (mine, direct, buckets), (theirs, copied, _) = runs["direct"], runs["copies"]
+        out[key] = (all(torch.equal(a, b) for sa, sb in zip(mine, theirs) for a, b in zip(sa, sb)), direct, copied,
+                    buckets)
+    return out
+
+
+def test_powersgd_reading_the_gradients_itself_gives_the_bits_of_the_copied_buckets():
+    """The reducer's two copies skipped for PowerSGD (see [Note: a hook that reads the gradients
+    itself]): the same parameters, bit for bit, on every step, and it did go that way."""
+    for out in run_ranks(_direct_against_copies, 2):
+        for key, (same, direct, copied, buckets) in out.items():
+            assert buckets >= 3, key
+            assert same, key
+            # Steps 3-6 compress (start_powerSGD_iter=2): every bucket goes direct, never a wrapped one's;
+            # without error feedback none (the products would read other memory: see _reads_gradients).
+            assert direct == (0 if key == "no_feedback" else 4 * buckets) and copied == 0, (key, direct, copied)
+
+
+def _direct_refused(rank):
+    """Buckets that must keep the copies: gradient_as_bucket_view, and a backward with a parameter unused."""
+    torch.manual_seed(0)
+    out = {}
+    views = dptrain.DDP(_Mixed(), bucket_cap_mb=0.02, gradient_as_bucket_view=True)
+    views.register_comm_hook(comm_hooks.PowerSGDState(None, 1, start_powerSGD_iter=0), comm_hooks.powerSGD_hook)
+    views(torch.randn(8, 40)).sum().backward()
+    out["views"] = (sum(views.reducer._direct), all(
+        p.grad.data_ptr() == v.data_ptr() for p, v in zip(views.reducer.params, views.reducer._views)))
+    unused = dptrain.DDP(_TwoHeads(), bucket_cap_mb=0.0005, find_unused_parameters=True)
+    unused.register_comm_hook(comm_hooks.PowerSGDState(None, 1, start_powerSGD_iter=0), comm_hooks.powerSGD_hook)
+    unused(torch.randn(4, 16)).sum().backward()
+    out["unused"] = (sum(unused.reducer._direct), unused.module.never.weight.grad, unused.module.first.weight.grad)
+    return out
+
+
+def test_powersgd_keeps_the_copies_where_the_gradients_are_not_plain():
+    a, b = run_ranks(_direct_refused, 2)
+    for out in (a, b):
+        assert out["views"] == (0, True)  # .grad stays the bucket's view, as gradient_as_bucket_view asks
+        assert out["unused"][0] == 0 and out["unused"][1] is None
+    assert torch.equal(a["unused"][2], b["unused"][2])
 
 
 class _Jittery(nn.Module):
