@@ -57,7 +57,7 @@ def allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures
 _scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
 
-def _low_precision_copy(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _low_precision(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     key = (id(buffer), dtype)
     out = _scratch.get(key)
     if out is None or out.shape != buffer.shape or out.device != buffer.device:
@@ -65,17 +65,33 @@ def _low_precision_copy(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
         if key not in _scratch:
             weakref.finalize(buffer, _scratch.pop, key, None)
         _scratch[key] = out
-    return out.copy_(buffer)
+    return out
 
 
 def _compress_hook(process_group: Any, bucket: Any, dtype: torch.dtype) -> torch.futures.Future:
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
-    compressed = _low_precision_copy(buffer, dtype).div_(dist.get_world_size(group))
+    compressed = _low_precision(buffer, dtype)
+    # With dptrain's reducer the gradients are cast straight from .grad and the average cast
+    # straight back into it, without the copies through the bucket (see [Note: a hook that reads
+    # the gradients itself] in dptrain/parallel/ddp/_reducer.py); the same casts either way.
+    direct = getattr(bucket, "direct_gradients", None)
+    grads = direct() if direct is not None else None
+    if grads is None:
+        compressed.copy_(buffer)
+    else:
+        grads = [g.view(-1) for g in grads]
+        parts = list(compressed.split([g.numel() for g in grads]))
+        torch._foreach_copy_(parts, grads)
+    compressed.div_(dist.get_world_size(group))
     work = issue_all_reduce(compressed, group)
 
     def decompress(_fut: Any) -> torch.Tensor:
-        buffer.copy_(compressed)  # cast back to the bucket's dtype; no collective here
+        # Cast back to the bucket's dtype; no collective here.
+        if grads is None:
+            buffer.copy_(compressed)
+        else:
+            torch._foreach_copy_(grads, parts)
         return buffer
 
     if work is None:  # a group of one
@@ -103,3 +119,7 @@ def bf16_compress_hook(process_group: Any, bucket: dist.GradBucket) -> torch.fut
         >>> model.register_comm_hook(None, bf16_compress_hook)
     """
     return _compress_hook(process_group, bucket, torch.bfloat16)
+
+
+# dptrain's reducer may hand the 16-bit hooks the gradients themselves (see _compress_hook).
+fp16_compress_hook.reads_gradients = bf16_compress_hook.reads_gradients = lambda _state: True

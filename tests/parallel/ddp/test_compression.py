@@ -164,6 +164,38 @@ def test_powersgd_reading_the_gradients_itself_gives_the_bits_of_the_copied_buck
             assert direct == (0 if key == "no_feedback" else 4 * buckets) and copied == 0, (key, direct, copied)
 
 
+def _sixteen_bits_against_copies(rank):
+    """The same for the 16-bit hooks: cast from .grad and back into it, against the copied bucket."""
+    out = {}
+    for name, hook in (("bf16", comm_hooks.bf16_compress_hook), ("fp16", comm_hooks.fp16_compress_hook)):
+        torch.manual_seed(0)
+        base = _Mixed()
+        runs = {}
+        for way, registered in (("direct", hook), ("copies", lambda state, bucket, hook=hook: hook(state, bucket))):
+            model = dptrain.DDP(copy.deepcopy(base), bucket_cap_mb=0.01)
+            model.register_comm_hook(None, registered)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            g = torch.Generator().manual_seed(rank)
+            direct = 0
+            for step in range(4):
+                opt.zero_grad(set_to_none=step % 2 == 0)
+                model(torch.randn(8, 40, generator=g)).pow(2).mean().backward()
+                direct += sum(model.reducer._direct)
+                opt.step()
+            runs[way] = ([p.detach().clone() for p in model.parameters()], direct, len(model.reducer.buckets))
+        (mine, direct, buckets), (theirs, copied, _) = runs["direct"], runs["copies"]
+        out[name] = (all(torch.equal(a, b) for a, b in zip(mine, theirs)), direct, copied, buckets)
+    return out
+
+
+def test_sixteen_bit_hooks_reading_the_gradients_themselves_give_the_bits_of_the_copied_buckets():
+    for out in run_ranks(_sixteen_bits_against_copies, 2):
+        for name, (same, direct, copied, buckets) in out.items():
+            assert same, name
+            # Every bucket of the 3 steps after the first (whose recording backward is not plain).
+            assert buckets >= 3 and direct == 3 * buckets and copied == 0, (name, direct, copied, buckets)
+
+
 def _direct_refused(rank):
     """Buckets that must keep the copies: gradient_as_bucket_view, and a backward with a parameter unused."""
     torch.manual_seed(0)
