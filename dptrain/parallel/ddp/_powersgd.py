@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dptrain.parallel.ddp._buckets import _views_of
 from dptrain.parallel.ddp._hook_pipeline import HookPipeline, Job, allreduce_mean_future, issue_all_reduce
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
@@ -164,16 +165,9 @@ class _BucketPlan:
     def __init__(self, state: PowerSGDState, bucket: Any, buffer: torch.Tensor) -> None:
         grads = bucket.gradients()
         self.signature = _signature(bucket, buffer)
-        offsets, off = [], 0
-        for g in grads:
-            offsets.append(off)
-            off += g.numel()
-        self.numel_before = off
-        self.offsets = offsets
-        self.numels = [g.numel() for g in grads]
+        self.numel_before = sum(g.numel() for g in grads)
         groups: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
-        self.vectors: list[tuple[int, int]] = []  # (offset, numel) of each uncompressed gradient
-        self.vector_params: list[int] = []  # and its place in the bucket
+        self.vectors: list[int] = []  # the places in the bucket of the gradients sent uncompressed
         compressed = 0
         for i, g in enumerate(grads):
             n = g.shape[0] if g.dim() > 0 else 1
@@ -183,28 +177,21 @@ class _BucketPlan:
                 groups.setdefault((n, m), []).append(i)
                 compressed += (n + m) * r
             else:
-                self.vectors.append((offsets[i], g.numel()))
-                self.vector_params.append(i)
+                self.vectors.append(i)
                 compressed += g.numel()
         self.numel_after = compressed
-        self.vector_numel = sum(n for _, n in self.vectors)
-        # (offset, n, m, group, position in group) per compressed matrix, in group order.
+        self.vector_sizes = [grads[i].numel() for i in self.vectors]
+        self.vector_numel = sum(self.vector_sizes)
+        # (place in the bucket, n, m) per compressed matrix, in group order.
         self.matrices: list[tuple[int, int, int]] = []
-        self.matrix_params: list[int] = []  # their places in the bucket
         self.groups: list[tuple[int, int, int, int]] = []  # (n, m, r, count)
         for (n, m), members in groups.items():
             r = min(n, m, state.matrix_approximation_rank)
             self.groups.append((n, m, r, len(members)))
-            self.matrices.extend((offsets[i], n, m) for i in members)
-            self.matrix_params.extend(members)
+            self.matrices.extend((i, n, m) for i in members)
         self.p_numel = sum(b * n * r for n, _, r, b in self.groups)
         self.q_numel = sum(b * m * r for _, m, r, b in self.groups)
-        self.vector_sizes = [n for _, n in self.vectors]
         self.first = buffer.new_empty(self.p_numel + self.vector_numel)  # P, then the uncompressed
-
-    def flat_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each gradient's place in ``flat`` (the bucket's layout), one-dimensional."""
-        return [flat[o : o + n] for o, n in zip(self.offsets, self.numels)]
 
     def views(self, p_mem: torch.Tensor, q_mem: torch.Tensor) -> tuple[list, list, list, list]:
         """Per group (B,n,r) P and (B,r,m) Q^T; per matrix (n,r) P and (r,m) Q^T."""
@@ -303,14 +290,15 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
     # reads the gradients itself] in dptrain/parallel/ddp/_reducer.py). Same operations either way.
     direct = getattr(bucket, "direct_gradients", None)
     grads = direct() if direct is not None else None
-    outs = plan.flat_views(buffer) if grads is None else [g.view(-1) for g in grads]
+    layout = bucket.gradients()  # the shapes, in the buffer's order
+    outs = _views_of(buffer, layout) if grads is None else grads
     ins = outs
     if state.use_error_feedback:
         error = state.error_dict.get(index)
         if error is None:
             error = state.error_dict[index] = torch.zeros_like(buffer)
         # Now the corrected gradient; the error again after decompression.
-        ins = plan.flat_views(error)
+        ins = _views_of(error, layout)
         if grads is None:
             error.add_(buffer)
         else:
@@ -325,10 +313,10 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
     state.p_memory_dict[index] = p_mem
     vectors = first[plan.p_numel :]
     if plan.vectors:
-        torch.cat([ins[k] for k in plan.vector_params], out=vectors)
+        torch.cat([ins[k].view(-1) for k in plan.vectors], out=vectors)
     if plan.matrices:
         p_groups, q_groups, ps, qts = plan.views(p_mem, q_mem)
-        mats = [ins[k].view(n, m) for k, (_, n, m) in zip(plan.matrix_params, plan.matrices)]
+        mats = [ins[k].view(n, m) for k, n, m in plan.matrices]
         if fresh:
             _random_q(state, plan, q_groups, qts)
         else:
@@ -341,7 +329,7 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
 
     if plan.vectors:
         vectors.div_(world_size)
-        torch._foreach_copy_([outs[k] for k in plan.vector_params], list(vectors.split(plan.vector_sizes)))
+        torch._foreach_copy_([outs[k].view(-1) for k in plan.vectors], list(vectors.split(plan.vector_sizes)))
     if plan.matrices:
         for pg in p_groups:
             _orthonormalize_rows_(pg.transpose(1, 2), state.orthogonalization_epsilon)
@@ -350,7 +338,7 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
         yield issue_all_reduce(q_mem, group), "PowerSGD all-reduce of Q"
 
         q_mem.div_(world_size)
-        for k, (_, n, m), p, qt in zip(plan.matrix_params, plan.matrices, ps, qts):
+        for (k, n, m), p, qt in zip(plan.matrices, ps, qts):
             _decompress(p, qt, outs[k].view(n, m))
     if state.use_error_feedback:
         if grads is None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dptrain.parallel.ddp._buckets import _views_of
 from dptrain.parallel.ddp._hook_pipeline import allreduce_mean_future, future_of, issue_all_reduce
 from dptrain.parallel.ddp._powersgd import PowerSGDState, powerSGD_hook
 
@@ -80,8 +81,7 @@ def _compress_hook(process_group: Any, bucket: Any, dtype: torch.dtype) -> torch
     if grads is None:
         compressed.copy_(buffer)
     else:
-        grads = [g.view(-1) for g in grads]
-        parts = list(compressed.split([g.numel() for g in grads]))
+        parts = _views_of(compressed, grads)
         torch._foreach_copy_(parts, grads)
     compressed.div_(dist.get_world_size(group))
     work = issue_all_reduce(compressed, group)
