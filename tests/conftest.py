@@ -36,8 +36,11 @@ KILLS = {
     "tests/launcher/test_inplace_launcher.py", "tests/launcher/test_launch_lifecycle.py",
 }
 SERIAL = NAMESPACES | KILLS
-# One worker runs test_warm_server's tests, so that its module's server (the `warm` fixture) starts once.
-GROUPS = {"namespaces": NAMESPACES, "kills": KILLS, "template-servers": {"tests/launcher/test_warm_server.py"}}
+# One worker runs test_warm_server's tests, so that its module's server (the `warm` fixture) starts
+# once; and test_docs's, whose module fixture starts every block of the file at once (spread over
+# the workers, each worker's fixture ran every block again: three times the blocks, six warm parents).
+GROUPS = {"namespaces": NAMESPACES, "kills": KILLS, "template-servers": {"tests/launcher/test_warm_server.py"},
+          "docs": {"tests/test_docs.py"}}
 
 
 def xdist_group(nodeid):

@@ -135,7 +135,9 @@ def _run(block: Block, where: str, warm: queue.Queue) -> subprocess.CompletedPro
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """Every selected block started at once, two at a time; a test waits for its own."""
+    """Every selected block started at once, two at a time; a test waits for its own. Under xdist
+    the file's tests all run on one worker (its group in tests/conftest.py): every worker running
+    some of them would run every block."""
     selected = [item.callspec.params["block"] for item in request.session.items
                 if getattr(item, "callspec", None) and isinstance(item.callspec.params.get("block"), Block)]
     warm: queue.Queue = queue.Queue()
