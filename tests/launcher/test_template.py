@@ -86,15 +86,16 @@ def template(tmp_path_factory):
     assert tpl.proc.returncode is not None
 
 
-def _run(tpl, *args, env=None, lines_out=None):
-    """Fork a child, give it the task, and return (exit code, its state, its stderr); ``lines_out``
-    gets every line it printed."""
+def _run(tpl, *args, env=None, lines_out=None, program=None):
+    """Fork a child, give it the task (run ``program``, default the template's), and return (exit
+    code, its state, its stderr); ``lines_out`` gets every line it printed."""
     child = tpl.take(wait_s=120)
     if child is None and any("CUDA driver" in line for line in tpl.lines):
         pytest.skip(f"this torch loads the CUDA driver as it is imported: no forks ({tpl.lines})")
     assert child is not None, tpl.lines
-    task = {"env": dict(os.environ, X="rank", **(env or {})), "argv": [tpl.program, *args],
-            "program": tpl.program, "module": False}
+    program = program or tpl.program
+    task = {"env": dict(os.environ, X="rank", **(env or {})), "argv": [program, *args],
+            "program": program, "module": False}
     child.stdin.write(json.dumps(task).encode() + b"\n")
     child.stdin.close()
     out, err = child.stdout.read(), child.stderr.read()
@@ -104,7 +105,7 @@ def _run(tpl, *args, env=None, lines_out=None):
     lines = out.decode().splitlines()
     if lines_out is not None:
         lines_out.extend(lines)
-    return code, (json.loads(lines[0]) if lines else None), err.decode()
+    return code, (json.loads(lines[0]) if lines and lines[0].startswith("{") else None), err.decode()
 
 
 def test_a_forked_child_runs_the_program_as_a_fresh_interpreter_would(template):
@@ -167,6 +168,61 @@ def test_a_scripts_globals_are_dropped_after_the_atexit_handlers_as_in_a_fresh_i
     _run(template, how, lines_out=lines)
     for seen in (fresh.stdout.splitlines()[1:], lines[1:]):
         assert seen == ["AT EXIT globals held True"], (seen, fresh.stdout, lines)
+
+
+#: A script whose end leaves work to the interpreter's exit: a thread still running, an
+#: ``atexit`` handler, a global with a destructor, and a file that a module it imported opened
+#: and wrote to without a flush or a close.
+ENDING = r'''
+import atexit, sys, threading, time
+import torch
+import ending_helper
+
+ending_helper.LOG.write("written through a module's file, never flushed\n")
+
+
+class Noisy:
+    def __del__(self):
+        print("a global's destructor ran", flush=True)
+
+
+KEEP = Noisy()
+threading.Thread(target=lambda: (time.sleep(0.3), print("the thread ended", flush=True))).start()
+atexit.register(lambda: print("the atexit handler ran", flush=True))
+how = sys.argv[1]
+if how == "message":
+    sys.exit("the script says why it stops")
+if how == "raise":
+    raise ValueError("the script's own error")
+if how != "end":
+    sys.exit(None if how == "none" else int(how))
+'''
+ENDING_HELPER = '''
+import os
+LOG = open(os.environ["ENDING_LOG"], "w")
+'''
+
+
+@pytest.mark.parametrize("how", ["end", "none", "4", "message", "raise"])
+def test_a_childs_end_does_what_a_fresh_interpreters_exit_does(template, how, tmp_path):
+    # A forked rank ends without the teardown of what the template imported (spare.end_as_a_script):
+    # what the script left to the exit still happens, in the interpreter's order, with its exit code.
+    program = os.path.join(template.folder, "ending.py")
+    with open(program, "w") as fh:
+        fh.write(ENDING)
+    with open(os.path.join(template.folder, "ending_helper.py"), "w") as fh:
+        fh.write(ENDING_HELPER)
+    fresh_log, forked_log = tmp_path / "fresh.log", tmp_path / "forked.log"
+    fresh = subprocess.run([sys.executable, "-u", program, how], capture_output=True, text=True, timeout=120,
+                           cwd=template.folder, env=dict(os.environ, ENDING_LOG=str(fresh_log)))
+    lines = []
+    code, _, err = _run(template, how, lines_out=lines, program=program, env={"ENDING_LOG": str(forked_log)})
+    expected = ["the thread ended", "the atexit handler ran", "a global's destructor ran"]
+    assert fresh.stdout.splitlines() == expected, fresh.stdout  # what a fresh interpreter does, here
+    assert lines == expected, (lines, err)
+    assert code == fresh.returncode == {"end": 0, "none": 0, "4": 4, "message": 1, "raise": 1}[how]
+    assert err.splitlines()[-1:] == fresh.stderr.splitlines()[-1:], (err, fresh.stderr)
+    assert forked_log.read_text() == fresh_log.read_text() == "written through a module's file, never flushed\n"
 
 
 def _parent_and_state(pid):
