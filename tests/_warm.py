@@ -6,9 +6,11 @@ more than most scripts themselves. :class:`WarmRunner` starts one parent that im
 ``preload`` names, then forks a child per script. The child behaves like ``python script``
 run in ``cwd``: ``__main__`` is the script (``multiprocessing`` children find it by its
 ``__file__``), ``sys.argv`` and ``sys.path[0]`` are the script's, its stdout and stderr go
-to the files given, and at its end the interpreter's own exit runs (non-daemon threads
-joined, ``atexit`` handlers run, streams flushed), so the exit code is what ``python
-script`` would give. The environment is the parent's: give the runner the one the scripts
+to the files given, and at its end it does what the interpreter's exit does for what the
+script made (non-daemon threads joined, ``atexit`` handlers run, the script's globals dropped,
+files and streams flushed), as a rank forked from dptrain's warm template ends
+(``dptrain.launcher.spare.end_as_a_script``), so the exit code is what ``python script``
+would give. The environment is the parent's: give the runner the one the scripts
 need (it is read by torch's import, which the parent has done).
 
 Not for what a fresh interpreter is the subject of (import time, what ``import dptrain``
@@ -86,6 +88,8 @@ def stop_template_servers(private: str) -> None:
 
 def _child(request: dict) -> None:
     """In the forked child: become ``python script`` and exit as it would."""
+    from dptrain.launcher.spare import _KEPT, _exit_status, end_as_a_script
+
     code = 0
     try:
         os.setpgid(0, 0)  # its own group: a timeout kills what it started too
@@ -99,26 +103,19 @@ def _child(request: dict) -> None:
         sys.path[0] = os.path.dirname(os.path.abspath(script))
         import runpy
 
-        runpy.run_path(script, run_name="__main__")
+        _KEPT.append(runpy.run_path(script, run_name="__main__"))
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught one
+        _KEPT.append(exc)
+        code = _exit_status(exc.code)
+    except BaseException as exc:  # noqa: BLE001 - printed as the interpreter prints an uncaught one
         import traceback
 
+        _KEPT.append(exc)
         traceback.print_exc()
         code = 1
-    try:
-        threading._shutdown()  # what the interpreter's exit does, in its order
-        import atexit
-
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:  # noqa: BLE001
-        code = code or 1
-    os._exit(code)
+    # What the interpreter's exit does for what the script made, without the teardown of the
+    # parent's imports: as a rank forked from dptrain's warm template ends.
+    end_as_a_script(code)
 
 
 def _serve(preload: list[str]) -> None:

@@ -340,11 +340,14 @@ def end_as_a_script(code: int):
     _KEPT.clear()
     gc.collect()
     for obj in gc.get_objects():  # what was made after the imports ahead (those are frozen)
-        if isinstance(obj, io.IOBase) and obj is not sys.stdout and obj is not sys.stderr:
-            with contextlib.suppress(Exception):
+        # By its type (a proxy's __class__ may raise), and never the standard streams (below).
+        with contextlib.suppress(Exception):
+            if issubclass(type(obj), io.IOBase) and obj is not sys.stdout and obj is not sys.stderr:
                 if not obj.closed:
                     obj.flush()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # no stream at all (the interpreter then flushes nothing either)
+            continue
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - as the interpreter: a failed flush of stdout is status 120
