@@ -345,7 +345,11 @@ def end_as_a_script(code: int):
             if issubclass(type(obj), io.IOBase) and obj is not sys.stdout and obj is not sys.stderr:
                 if not obj.closed:
                     obj.flush()
-    for stream in (sys.stdout, sys.stderr):
+    # Also the original streams where the script replaced sys.stdout or sys.stderr: they were
+    # made before the fork, frozen, so not among the objects above.
+    streams = [sys.stdout, sys.stderr]
+    streams += [s for s in (sys.__stdout__, sys.__stderr__) if all(s is not t for t in streams)]
+    for stream in streams:
         if stream is None:  # no stream at all (the interpreter then flushes nothing either)
             continue
         try:
