@@ -145,6 +145,14 @@ def _views_of(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.
     return views
 
 
+def direct_gradients_of(bucket: Any) -> list[torch.Tensor] | None:
+    """What a hook's ``bucket`` says of ``direct_gradients()`` (the ``.grad`` tensors, where dptrain's
+    reducer handed them over instead of copies); None for a copied bucket and for PyTorch's
+    GradBucket, which has no such method."""
+    direct = getattr(bucket, "direct_gradients", None)
+    return direct() if direct is not None else None
+
+
 class _Bucket:
     """One flat buffer and the parameters packed into it."""
 

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dptrain.parallel.ddp._buckets import _views_of
+from dptrain.parallel.ddp._buckets import _views_of, direct_gradients_of
 from dptrain.parallel.ddp._hook_pipeline import HookPipeline, Job, allreduce_mean_future, issue_all_reduce
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
@@ -288,8 +288,7 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
     # Each gradient's input and output: the buffer's views, or with dptrain's reducer the .grad
     # tensors themselves, neither copied into the buffer nor copied back (see [Note: a hook that
     # reads the gradients itself] in dptrain/parallel/ddp/_reducer.py). Same operations either way.
-    direct = getattr(bucket, "direct_gradients", None)
-    grads = direct() if direct is not None else None
+    grads = direct_gradients_of(bucket)
     layout = bucket.gradients()  # the shapes, in the buffer's order
     outs = _views_of(buffer, layout) if grads is None else grads
     ins = outs

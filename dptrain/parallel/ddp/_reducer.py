@@ -514,8 +514,7 @@ class Reducer:
     # gradients raise at the next forward, such a bucket's .grad holds the average where the
     # reducer would leave the local gradient.
     def _goes_direct(self, bucket: _Bucket) -> bool:
-        hook = self.comm_hook
-        reads = getattr(hook, "reads_gradients", None) if hook is not None else None
+        reads = getattr(self.comm_hook, "reads_gradients", None)
         b = bucket.index
         if (reads is None or not self._plain_backward or self.gradient_as_bucket_view or self._irregular[b]
                 or self._scaled_early[b] or len(self._deferred[b]) != len(bucket.indices)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dptrain.parallel.ddp._buckets import _views_of
+from dptrain.parallel.ddp._buckets import _views_of, direct_gradients_of
 from dptrain.parallel.ddp._hook_pipeline import allreduce_mean_future, future_of, issue_all_reduce
 from dptrain.parallel.ddp._powersgd import PowerSGDState, powerSGD_hook
 
@@ -76,8 +76,7 @@ def _compress_hook(process_group: Any, bucket: Any, dtype: torch.dtype) -> torch
     # With dptrain's reducer the gradients are cast straight from .grad and the average cast
     # straight back into it, without the copies through the bucket (see [Note: a hook that reads
     # the gradients itself] in dptrain/parallel/ddp/_reducer.py); the same casts either way.
-    direct = getattr(bucket, "direct_gradients", None)
-    grads = direct() if direct is not None else None
+    grads = direct_gradients_of(bucket)
     if grads is None:
         compressed.copy_(buffer)
     else:
