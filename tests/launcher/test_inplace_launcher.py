@@ -187,8 +187,10 @@ if plan.get("fallback") and rank == 0 and attempt == 0:
     sys.exit(75)
 store.wait([keys + "test/done"])
 if plan.get("wait_spare"):
+    # The spare started in the taken one's place, once the recovery was said to be over (the
+    # replacement is a rank now: spares() leaves it out).
     deadline = time.time() + 10
-    while len(spares()) < 2 and time.time() < deadline:  # the replacement, and the spare started after it
+    while not spares() and time.time() < deadline:
         time.sleep(0.05)
 generations = []
 g = 1
