@@ -13,8 +13,7 @@ once, and its fork, given the launcher's working directory, environment, ``sys.p
 descriptors, is the template a start of its own would have made.
 
 The import key (``import_key``) names what can change what an import does or finds: the
-interpreter, the variables of Python (``PYTHON*``), the loader, the thread libraries, torch
-(but inductor's cache folder, which torch sets itself at a first compile and reads at use),
+interpreter, the variables of Python (``PYTHON*``), the loader, the thread libraries, torch,
 CUDA and NCCL, the locale, ``HOME`` and the temporary folder, the working directory where
 ``PYTHONPATH`` holds a relative entry, and the process's PID, user and cgroup namespaces. Its
 network, mount, UTS and IPC namespaces are not in the key: a template forked for a launcher
@@ -88,10 +87,6 @@ _KEY_PREFIXES = ("PYTHON", "LD_", "TORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPE
                  "CUDA", "NCCL_", "LC_", "XDG_")
 _KEY_NAMES = frozenset({"HOME", "TMPDIR", "TEMP", "TMP", "LANG", "LANGUAGE", "USER", "LOGNAME", "VIRTUAL_ENV",
                         "CONDA_PREFIX"})
-#: Read only at use, never by an import, and written into os.environ by torch itself: inductor's
-#: cache folder, set at a process's first compile (a launcher started after one, as a notebook's
-#: or a test run's, would otherwise get a key of its own and import torch again).
-_NOT_KEY_NAMES = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 
 
 def import_key(environ: dict[str, str], cwd: str | None = None, executable: str | None = None) -> str:
@@ -102,8 +97,7 @@ def import_key(environ: dict[str, str], cwd: str | None = None, executable: str 
         >>> import_key({"OMP_NUM_THREADS": "1", "RANK": "0"}) == import_key({"OMP_NUM_THREADS": "1"})
         True
     """
-    relevant = sorted((k, v) for k, v in environ.items()
-                      if (k.startswith(_KEY_PREFIXES) or k in _KEY_NAMES) and k not in _NOT_KEY_NAMES)
+    relevant = sorted((k, v) for k, v in environ.items() if k.startswith(_KEY_PREFIXES) or k in _KEY_NAMES)
     path = environ.get("PYTHONPATH", "")
     relative = bool(path) and any(not os.path.isabs(entry) for entry in path.split(os.pathsep))
     what = [executable or sys.executable, relevant, (cwd or os.getcwd()) if relative else None, _namespaces()]
