@@ -162,9 +162,8 @@ class _BucketPlan:
     (``B x r x m``) are contiguous slices of the bucket's flat P and Q memories.
     """
 
-    def __init__(self, state: PowerSGDState, bucket: Any, buffer: torch.Tensor) -> None:
-        grads = bucket.gradients()
-        self.signature = _signature(bucket, buffer)
+    def __init__(self, state: PowerSGDState, bucket: Any, buffer: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        self.signature = _signature(bucket, buffer, grads)
         self.numel_before = sum(g.numel() for g in grads)
         groups: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
         self.vectors: list[int] = []  # the places in the bucket of the gradients sent uncompressed
@@ -209,11 +208,11 @@ class _BucketPlan:
         return p_groups, q_groups, ps, qts
 
 
-def _signature(bucket: Any, buffer: torch.Tensor) -> tuple:
+def _signature(bucket: Any, buffer: torch.Tensor, grads: list[torch.Tensor]) -> tuple:
     # A bucket is "the same" while it holds the same parameters in the same places: after a
     # bucket rebuild, index k may hold other parameters and its error must not be reused.
     params = tuple(p.data_ptr() for p in bucket.parameters())
-    shapes = tuple(tuple(g.shape) for g in bucket.gradients())
+    shapes = tuple(tuple(g.shape) for g in grads)
     return (buffer.numel(), buffer.dtype, buffer.device, params, shapes)
 
 
@@ -264,13 +263,15 @@ def _random_q(state: PowerSGDState, plan: _BucketPlan, q_groups: list, qts: list
         _orthonormalize_rows_(qg, state.orthogonalization_epsilon)
 
 
-def _plan_for(state: PowerSGDState, bucket: Any, buffer: torch.Tensor) -> tuple[_BucketPlan, bool]:
-    """The bucket's plan, and whether its Q must be drawn afresh (new layout, or no warm start)."""
+def _plan_for(state: PowerSGDState, bucket: Any, buffer: torch.Tensor,
+              grads: list[torch.Tensor]) -> tuple[_BucketPlan, bool]:
+    """The bucket's plan, and whether its Q must be drawn afresh (new layout, or no warm start).
+    ``grads``: the bucket's ``gradients()``."""
     index = bucket.index()
     plan = state._plans.get(index)
-    fresh = plan is None or plan.signature != _signature(bucket, buffer)
+    fresh = plan is None or plan.signature != _signature(bucket, buffer, grads)
     if fresh:
-        plan = _BucketPlan(state, bucket, buffer)
+        plan = _BucketPlan(state, bucket, buffer, grads)
         state._plans[index] = plan
         state.error_dict.pop(index, None)
         state.q_memory_dict[index] = buffer.new_empty(plan.q_numel)
@@ -284,13 +285,13 @@ def _compress_bucket(state: PowerSGDState, bucket: Any, group: Any, world_size: 
     """One bucket's job: see [Note: PowerSGD order of collectives]."""
     buffer = bucket.buffer()
     index = bucket.index()
-    plan, fresh = _plan_for(state, bucket, buffer)
+    layout = bucket.gradients()  # the buffer's views, shaped as the gradients (PyTorch's GradBucket too)
+    plan, fresh = _plan_for(state, bucket, buffer, layout)
     # Each gradient's input and output: the buffer's views, or with dptrain's reducer the .grad
     # tensors themselves, neither copied into the buffer nor copied back (see [Note: a hook that
     # reads the gradients itself] in dptrain/parallel/ddp/_reducer.py). Same operations either way.
     grads = direct_gradients_of(bucket)
-    layout = bucket.gradients()  # the shapes, in the buffer's order
-    outs = _views_of(buffer, layout) if grads is None else grads
+    outs = layout if grads is None else grads
     ins = outs
     if state.use_error_feedback:
         error = state.error_dict.get(index)
